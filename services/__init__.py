@@ -1,0 +1,1 @@
+"""infermesh services: one sub-package per service, one process each."""

@@ -1,0 +1,1 @@
+"""Edge service: the OpenAI-compatible HTTP API (Litestar) in front of the mesh."""

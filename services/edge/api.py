@@ -1,0 +1,242 @@
+"""OpenAI endpoints on top of EdgeMesh: auth, validation, templating, response shapes, SSE.
+
+Streaming responses are returned only after the first token (or the first error)
+arrived, so errors before any token get a proper HTTP status, and a client that
+disconnects mid-stream cancels the body iterator, which aborts the engine request.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import msgspec
+from litestar import Request, Response
+from litestar.response import Stream
+from opentelemetry import trace
+from opentelemetry.propagate import extract
+
+from services.edge import errors
+from services.edge.config import EdgeConfig
+from services.edge.mesh import EdgeMesh, Finished, StreamBroken
+from services.edge.protocol import (
+    ChatCompletionRequest, CompletionRequest, InvalidRequest, Sampling, parse_body, validate_chat,
+    validate_completion,
+)
+from services.edge.tokenizer import ModelTokenizer
+from shared.schema import SamplingParams
+from shared.telemetry import tracer
+
+_tracer = tracer("infermesh.edge")
+_json = msgspec.json.Encoder()
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _usage(done: Finished) -> dict[str, Any]:
+    return {
+        "prompt_tokens": done.num_prompt_tokens,
+        "completion_tokens": done.num_completion_tokens,
+        "total_tokens": done.num_prompt_tokens + done.num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": done.num_cached_tokens},
+    }
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + _json.encode(payload) + b"\n\n"
+
+
+class EdgeApi:
+    def __init__(self, config: EdgeConfig, mesh: EdgeMesh) -> None:
+        self.config = config
+        self.mesh = mesh
+        self._keys = {config.dev_key: "default"} if config.dev_key else {}
+
+    # ------------------------------------------------------------ auth
+    def authenticate(self, request: Request) -> str:
+        """The team the bearer key belongs to."""
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() == "bearer":
+            for known, team in self._keys.items():
+                if hmac.compare_digest(key.strip().encode(), known.encode()):
+                    return team
+        raise errors.invalid_api_key()
+
+    # ------------------------------------------------------------ endpoints
+    def models(self, request: Request) -> dict[str, Any]:
+        self.authenticate(request)
+        data = [
+            {"id": name, "object": "model", "created": int(info.started_at), "owned_by": "infermesh",
+             "max_model_len": info.max_model_len}
+            for name, info in sorted(self.mesh.directory.models().items())
+        ]
+        return {"object": "list", "data": data}
+
+    async def chat_completions(self, request: Request) -> Response:
+        self.authenticate(request)
+        body = self._parse(await request.body(), ChatCompletionRequest)
+        try:
+            messages, sampling = validate_chat(body)
+        except InvalidRequest as exc:
+            raise errors.invalid_request(exc.message, exc.param, exc.code) from exc
+        info, tokenizer = await self._model(body.model)
+        prompt_ids = tokenizer.apply_chat_template(messages)
+        return await self._serve(request, "chat", body.model, prompt_ids, sampling, tokenizer, info.max_model_len,
+                                 body.stream, bool(body.stream_options and body.stream_options.include_usage))
+
+    async def completions(self, request: Request) -> Response:
+        self.authenticate(request)
+        body = self._parse(await request.body(), CompletionRequest)
+        try:
+            prompt, sampling = validate_completion(body)
+        except InvalidRequest as exc:
+            raise errors.invalid_request(exc.message, exc.param, exc.code) from exc
+        info, tokenizer = await self._model(body.model)
+        prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        return await self._serve(request, "text", body.model, prompt_ids, sampling, tokenizer, info.max_model_len,
+                                 body.stream, bool(body.stream_options and body.stream_options.include_usage))
+
+    # ------------------------------------------------------------ shared flow
+    @staticmethod
+    def _parse(body: bytes, kind: type) -> Any:
+        try:
+            return parse_body(body, kind)
+        except InvalidRequest as exc:
+            raise errors.invalid_request(exc.message, exc.param, exc.code) from exc
+
+    async def _model(self, model: str) -> tuple[Any, ModelTokenizer]:
+        info = self.mesh.model_info(model)
+        if info is None:
+            raise errors.model_not_found(model)
+        return info, await self.mesh.tokenizer(info)
+
+    def _engine_sampling(self, sampling: Sampling, num_prompt: int, max_len: int, tokenizer: ModelTokenizer,
+                         param: str) -> SamplingParams:
+        if sampling.max_tokens is None:
+            if num_prompt >= max_len:
+                raise errors.context_length_exceeded(max_len, num_prompt, None)
+            max_tokens = max_len - num_prompt
+        elif num_prompt + sampling.max_tokens > max_len:
+            raise errors.context_length_exceeded(max_len, num_prompt, sampling.max_tokens)
+        else:
+            max_tokens = sampling.max_tokens
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
+            stop_token_ids=tokenizer.stop_token_ids,
+        )
+
+    async def _serve(self, request: Request, kind: str, model: str, prompt_ids: list[int], sampling: Sampling,
+                     tokenizer: ModelTokenizer, max_len: int, stream: bool, include_usage: bool) -> Response:
+        try:
+            params = self._engine_sampling(sampling, len(prompt_ids), max_len, tokenizer, kind)
+        except errors.ApiError as exc:
+            if kind == "text":
+                exc.param = "prompt"
+            raise
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        request_id = uuid.uuid4().hex
+        response_id = f"{prefix}-{request_id}"
+        span = _tracer.start_span(f"POST {request.url.path}", context=extract(dict(request.headers)),
+                                  kind=trace.SpanKind.SERVER)
+        span.set_attributes({"infermesh.request_id": request_id, "gen_ai.request.model": model,
+                             "infermesh.num_prompt_tokens": len(prompt_ids), "infermesh.stream": stream})
+        events = self.mesh.generate(request_id, model, prompt_ids, params, tokenizer, sampling.stop)
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                first = await events.__anext__()
+        except errors.ApiError as exc:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
+            span.end()
+            raise
+        except BaseException:
+            span.end()
+            raise
+        shape = _Shape(kind, response_id, model)
+        if stream:
+            return Stream(self._sse_body(first, events, shape, include_usage, span), media_type="text/event-stream",
+                          headers=SSE_HEADERS)
+        return await self._complete(first, events, shape, span)
+
+    async def _complete(self, first: str | Finished, events: AsyncIterator[str | Finished], shape: "_Shape",
+                        span: trace.Span) -> Response:
+        parts: list[str] = []
+        item = first
+        try:
+            while not isinstance(item, Finished):
+                parts.append(item)
+                item = await events.__anext__()
+        except StreamBroken as exc:
+            raise errors.engine_failed(f"The engine failed mid-generation: {exc}") from exc
+        finally:
+            span.end()
+        _record(span, item)
+        return Response(_json.encode(shape.full("".join(parts), item)), media_type="application/json",
+                        status_code=200)
+
+    async def _sse_body(self, first: str | Finished, events: AsyncIterator[str | Finished], shape: "_Shape",
+                        include_usage: bool, span: trace.Span) -> AsyncIterator[bytes]:
+        try:
+            if shape.kind == "chat":
+                yield _sse(shape.chunk(None, None, include_usage, first=True))
+            item = first
+            while not isinstance(item, Finished):
+                yield _sse(shape.chunk(item, None, include_usage))
+                item = await events.__anext__()
+            _record(span, item)
+            yield _sse(shape.chunk(None, item.finish_reason, include_usage))
+            if include_usage:
+                yield _sse(shape.usage_chunk(item))
+        except StreamBroken as exc:
+            yield _sse(errors.engine_failed(f"The engine failed mid-generation: {exc}").body())
+        finally:
+            await events.aclose()
+            span.end()
+        yield b"data: [DONE]\n\n"
+
+
+def _record(span: trace.Span, done: Finished) -> None:
+    span.set_attributes({"infermesh.worker_id": done.worker_id, "gen_ai.response.finish_reasons": [done.finish_reason],
+                         "gen_ai.usage.output_tokens": done.num_completion_tokens,
+                         "infermesh.num_cached_tokens": done.num_cached_tokens})
+
+
+class _Shape:
+    """The JSON shapes of one response: chat.completion(.chunk) or text_completion."""
+
+    def __init__(self, kind: str, response_id: str, model: str) -> None:
+        self.kind = kind
+        self.id = response_id
+        self.model = model
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def full(self, text: str, done: Finished) -> dict[str, Any]:
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": done.finish_reason}
+            return {**self._head("chat.completion"), "choices": [choice], "usage": _usage(done)}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason}
+        return {**self._head("text_completion"), "choices": [choice], "usage": _usage(done)}
+
+    def chunk(self, text: str | None, finish_reason: str | None, include_usage: bool,
+              first: bool = False) -> dict[str, Any]:
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            payload = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            payload = {**self._head("text_completion"), "choices": [choice]}
+        if include_usage:
+            payload["usage"] = None
+        return payload
+
+    def usage_chunk(self, done: Finished) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": _usage(done)}

@@ -1,0 +1,67 @@
+"""The Litestar application of the edge: routes, OpenAI-shaped error handling, health."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from litestar import Litestar, Request, Response, get, post
+from litestar.exceptions import HTTPException
+
+from services.edge import errors
+from services.edge.api import EdgeApi
+
+log = logging.getLogger("infermesh.edge")
+
+
+def _error_response(exc: errors.ApiError) -> Response[bytes]:
+    return Response(exc.json(), status_code=exc.status, media_type="application/json", headers=exc.headers)
+
+
+def _on_api_error(_request: Request, exc: errors.ApiError) -> Response[bytes]:
+    return _error_response(exc)
+
+
+def _on_http_error(_request: Request, exc: HTTPException) -> Response[bytes]:
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return _error_response(errors.ApiError(exc.status_code, str(exc.detail), kind, None, code))
+
+
+def _on_unexpected(_request: Request, exc: Exception) -> Response[bytes]:
+    log.exception("unhandled error", exc_info=exc)
+    return _error_response(errors.ApiError(500, "The server had an error while processing your request.",
+                                           "server_error", None, "internal_error"))
+
+
+def create_app(api: EdgeApi) -> Litestar:
+    @get("/v1/models", sync_to_thread=False)
+    def list_models(request: Request) -> dict[str, Any]:
+        return api.models(request)
+
+    @post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await api.chat_completions(request)
+
+    @post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await api.completions(request)
+
+    @get("/health", sync_to_thread=False)
+    def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @get("/ready", sync_to_thread=False)
+    def ready() -> Response[dict[str, Any]]:
+        live = api.mesh.directory.live()
+        is_ready = api.mesh.is_ready()
+        body = {"status": "ready" if is_ready else "not_ready", "workers": len(live),
+                "models": sorted({w.model for w in live})}
+        return Response(body, status_code=200 if is_ready else 503)
+
+    return Litestar(
+        route_handlers=[list_models, chat_completions, completions, health, ready],
+        exception_handlers={errors.ApiError: _on_api_error, HTTPException: _on_http_error, Exception: _on_unexpected},
+        openapi_config=None,
+        debug=False,
+    )

@@ -1,0 +1,24 @@
+"""Edge configuration (env INFERMESH_*, flags --*)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.config import BusConfig
+
+
+@dataclass(slots=True)
+class EdgeConfig(BusConfig):
+    """The OpenAI-compatible HTTP edge."""
+
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    dev_key: str = ""  # INFERMESH_DEV_KEY: this key belongs to team 'default'
+    route_timeout_s: float = 2.0
+    first_token_timeout_s: float = 300.0
+    inter_token_timeout_s: float = 60.0
+    abort_drain_timeout_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        assert 0 < self.http_port < 65536 or self.http_port == 0, "http_port out of range"
+        assert self.route_timeout_s > 0 and self.first_token_timeout_s > 0 and self.inter_token_timeout_s > 0

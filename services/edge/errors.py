@@ -1,0 +1,58 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def json(self) -> bytes:
+        return msgspec.json.encode(self.body())
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param, code)
+
+
+def invalid_api_key() -> ApiError:
+    return ApiError(401, "Incorrect API key provided. Pass it as 'Authorization: Bearer <key>'.",
+                    "authentication_error", None, "invalid_api_key")
+
+
+def model_not_found(model: str) -> ApiError:
+    return ApiError(404, f"The model `{model}` does not exist or you do not have access to it.",
+                    "invalid_request_error", "model", "model_not_found")
+
+
+def context_length_exceeded(max_len: int, num_prompt: int, num_completion: int | None) -> ApiError:
+    if num_completion is None:
+        detail = f"your prompt has {num_prompt} tokens, leaving no room for a completion"
+    else:
+        detail = (f"you requested {num_prompt + num_completion} tokens "
+                  f"({num_prompt} in the prompt, {num_completion} for the completion)")
+    return ApiError(400, f"This model's maximum context length is {max_len} tokens. However, {detail}. "
+                    "Please reduce the length of the prompt or the completion.",
+                    "invalid_request_error", "messages", "context_length_exceeded")
+
+
+def service_unavailable(message: str, code: str = "service_unavailable", retry_after_s: int = 1) -> ApiError:
+    return ApiError(503, message, "server_error", None, code, {"Retry-After": str(retry_after_s)})
+
+
+def engine_failed(message: str) -> ApiError:
+    return ApiError(502, message, "server_error", None, "engine_error")

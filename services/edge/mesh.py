@@ -1,0 +1,195 @@
+"""The edge's side of the bus: route, send to the worker, turn its token stream into text.
+
+``EdgeMesh.generate`` is the one place a request crosses the mesh; the HTTP layer
+(app.py) only formats what it yields. Text comes out of the same detokenizer and
+stop-string matcher whether the client streams or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from services.edge import errors
+from services.edge.config import EdgeConfig
+from services.edge.text import IncrementalDetokenizer, StopStringMatcher
+from services.edge.tokenizer import ModelTokenizer
+from shared.bus import Bus, BusError, StreamReceiver, TokenStream
+from shared.registry import WorkerDirectory
+from shared.schema import (
+    AbortRequest, GenerateRequest, RouteDecision, RouteReply, RouteRequest, SamplingParams,
+    StreamEnd, StreamError, TokenChunk, WorkerInfo,
+)
+
+log = logging.getLogger("infermesh.edge")
+
+
+@dataclass(slots=True)
+class Finished:
+    finish_reason: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_completion_tokens: int
+    worker_id: str
+
+
+class StreamBroken(Exception):
+    """The worker failed after tokens reached the client: the response cannot be completed."""
+
+
+class EdgeMesh:
+    def __init__(self, config: EdgeConfig, bus: Bus, edge_id: str) -> None:
+        self.config = config
+        self.bus = bus
+        self.directory = WorkerDirectory(bus)
+        self.receiver = StreamReceiver(bus, edge_id)
+        self._tokenizers: dict[str, ModelTokenizer] = {}
+        self._loading: dict[str, asyncio.Task[ModelTokenizer]] = {}
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self.directory.on_added.append(self._on_worker_added)
+        self.directory.on_removed.append(self._on_worker_removed)
+        await self.receiver.start()
+        await self.directory.start()
+        for info in self.directory.live():
+            self._on_worker_added(info)
+
+    async def stop(self) -> None:
+        await self.receiver.stop()
+        await self.directory.stop()
+
+    # ------------------------------------------------------------ models and tokenizers
+    def model_info(self, model: str) -> WorkerInfo | None:
+        return self.directory.models().get(model)
+
+    def is_ready(self) -> bool:
+        return self.bus.nc.is_connected and any(w.tokenizer in self._tokenizers for w in self.directory.live())
+
+    async def tokenizer(self, info: WorkerInfo) -> ModelTokenizer:
+        loaded = self._tokenizers.get(info.tokenizer)
+        if loaded is not None:
+            return loaded
+        task = self._loading.get(info.tokenizer)
+        if task is None:
+            task = asyncio.create_task(asyncio.to_thread(ModelTokenizer, info.tokenizer))
+            self._loading[info.tokenizer] = task
+        try:
+            loaded = await task
+        except Exception as exc:
+            self._loading.pop(info.tokenizer, None)
+            raise errors.service_unavailable(f"cannot load the tokenizer of {info.model!r}: {exc}") from exc
+        self._tokenizers[info.tokenizer] = loaded
+        return loaded
+
+    def _on_worker_added(self, info: WorkerInfo) -> None:
+        if info.tokenizer and info.tokenizer not in self._tokenizers:
+            self._spawn(self._preload(info))
+
+    async def _preload(self, info: WorkerInfo) -> None:
+        try:
+            await self.tokenizer(info)
+        except errors.ApiError as exc:
+            log.error("%s", exc.message)
+
+    def _on_worker_removed(self, worker_id: str) -> None:
+        failed = self.receiver.fail_worker(worker_id, "worker_unavailable", f"worker {worker_id} left the mesh")
+        if failed:
+            log.warning("worker %s vanished with %d streams open", worker_id, failed)
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ------------------------------------------------------------ one request
+    async def route(self, request_id: str, model: str, num_prompt_tokens: int) -> str:
+        try:
+            reply = await self.bus.request(
+                self.bus.subjects.route, RouteRequest(request_id, model, num_prompt_tokens), RouteReply,
+                timeout=self.config.route_timeout_s,
+            )
+        except BusError as exc:
+            raise errors.service_unavailable(f"the router is unavailable: {exc}", "router_unavailable") from exc
+        if isinstance(reply, RouteDecision):
+            return reply.worker_id
+        if reply.code == "model_not_found":
+            raise errors.model_not_found(model)
+        raise errors.service_unavailable(reply.message, reply.code)
+
+    async def generate(
+        self, request_id: str, model: str, prompt_token_ids: list[int], sampling: SamplingParams,
+        tokenizer: ModelTokenizer, stop: list[str],
+    ) -> AsyncIterator[str | Finished]:
+        """Yield text deltas, then one Finished. Raises ApiError before the first token, StreamBroken after."""
+        worker_id = await self.route(request_id, model, len(prompt_token_ids))
+        stream = self.receiver.open(request_id, worker_id)
+        finished = False
+        try:
+            await self.bus.publish(
+                self.bus.subjects.worker_generate(worker_id),
+                GenerateRequest(request_id, model, prompt_token_ids, sampling),
+                reply=self.receiver.subject(request_id),
+            )
+            detokenizer = IncrementalDetokenizer(tokenizer)
+            stopper = StopStringMatcher(stop)
+            num_output = 0
+            timeout = self.config.first_token_timeout_s
+            while True:
+                message = await stream.next(timeout)
+                timeout = self.config.inter_token_timeout_s
+                if isinstance(message, TokenChunk):
+                    num_output += len(message.token_ids)
+                    text, hit = stopper.feed(detokenizer.push(message.token_ids))
+                    if text:
+                        yield text
+                    if hit:
+                        end = await self._abort_and_drain(stream)
+                        finished = True
+                        yield Finished("stop", len(prompt_token_ids), end.num_cached_tokens if end else 0,
+                                       num_output, worker_id)
+                        return
+                elif isinstance(message, StreamEnd):
+                    finished = True
+                    text, hit = stopper.feed(detokenizer.flush())
+                    text += "" if hit else stopper.flush()
+                    if text:
+                        yield text
+                    reason = "stop" if hit else message.finish_reason
+                    yield Finished(reason, len(prompt_token_ids), message.num_cached_tokens, num_output, worker_id)
+                    return
+                else:
+                    finished = True
+                    self._raise_stream_error(message, num_output)
+        finally:
+            if not finished:  # client went away or we failed: stop the engine; never await in a cancelled scope
+                self._spawn(self._abort(worker_id, request_id))
+            self.receiver.close(request_id)
+
+    def _raise_stream_error(self, error: StreamError, num_output: int) -> None:
+        log.warning("request %s failed on %s: %s %s", error.request_id, error.source_id, error.code, error.message)
+        if num_output:
+            raise StreamBroken(f"{error.code}: {error.message}")
+        if error.code in ("worker_unavailable", "timeout", "worker_shutdown", "stream_gap"):
+            raise errors.service_unavailable(f"The worker failed: {error.message}", error.code)
+        if error.code == "bad_request":
+            raise errors.invalid_request(error.message)
+        raise errors.engine_failed(f"The engine failed: {error.message}")
+
+    async def _abort(self, worker_id: str, request_id: str) -> None:
+        try:
+            await self.bus.publish(self.bus.subjects.worker_abort(worker_id), AbortRequest(request_id))
+        except Exception as exc:
+            log.warning("abort of %s failed: %s", request_id, exc)
+
+    async def _abort_and_drain(self, stream: TokenStream) -> StreamEnd | None:
+        """Abort after a stop string; wait briefly for the worker's end message (cached-token count)."""
+        await self._abort(stream.worker_id, stream.request_id)
+        while True:
+            message = await stream.next(self.config.abort_drain_timeout_s)
+            if isinstance(message, StreamEnd):
+                return message
+            if isinstance(message, StreamError):
+                return None

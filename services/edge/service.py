@@ -1,0 +1,54 @@
+"""Edge service: the mesh client (EdgeMesh) plus the HTTP server (uvicorn running Litestar)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import uvicorn
+
+from services.edge.api import EdgeApi
+from services.edge.app import create_app
+from services.edge.config import EdgeConfig
+from services.edge.mesh import EdgeMesh
+from shared.bus import Bus
+
+log = logging.getLogger("infermesh.edge")
+
+
+class EdgeService:
+    def __init__(self, config: EdgeConfig, bus: Bus) -> None:
+        self.config = config
+        self.edge_id = f"e{uuid.uuid4().hex[:10]}"
+        self.mesh = EdgeMesh(config, bus, self.edge_id)
+        self.api = EdgeApi(config, self.mesh)
+        self.app = create_app(self.api)
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.port = config.http_port
+
+    async def start(self) -> None:
+        if not self.config.dev_key:
+            log.warning("no API key configured (INFERMESH_DEV_KEY): every request will get 401")
+        await self.mesh.start()
+        server_config = uvicorn.Config(
+            self.app, host=self.config.host, port=self.config.http_port, log_level="warning",
+            access_log=False, lifespan="off", loop="none", http="httptools", timeout_graceful_shutdown=2,
+        )
+        self._server = uvicorn.Server(server_config)
+        self._task = asyncio.create_task(self._server.serve(), name="http")
+        while not self._server.started:
+            if self._task.done():
+                await self._task  # raises the bind error
+                raise RuntimeError("HTTP server exited before it started")
+            await asyncio.sleep(0.02)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        log.info("edge %s listening on http://%s:%d/v1", self.edge_id, self.config.host, self.port)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self.mesh.stop()

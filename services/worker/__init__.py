@@ -1,0 +1,1 @@
+"""Worker service: one inference engine in a role (prefill, decode, or both) on the bus."""

@@ -1,0 +1,90 @@
+"""The interface between the worker service and an inference engine.
+
+An engine takes token ids and gives token ids; it knows nothing of NATS, HTTP
+or chat templates. The worker service drives it:
+
+    async for out in engine.generate(request_id, prompt_token_ids, sampling):
+        ...                      # out.token_ids are new tokens since the last output
+    await engine.abort(request_id)   # the generate iterator then ends with finish_reason "abort"
+    engine.load()                    # running / waiting / KV blocks, cheap, any time
+    async for batch in engine.kv_events(): ...   # lists of KvEvent as the block pool changes
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from shared.schema import KvEvent, SamplingParams
+
+
+@dataclass(slots=True, frozen=True)
+class EngineSpec:
+    """What an engine serves, known once it has started."""
+
+    model: str
+    tokenizer: str
+    block_size: int
+    num_kv_blocks: int
+    max_model_len: int
+    kv_dtype: str = "auto"
+
+
+@dataclass(slots=True)
+class EngineOutput:
+    """New tokens of one request; the last output of a request has ``finish_reason`` set."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class EngineLoad:
+    num_running: int
+    num_waiting: int
+    num_active_blocks: int
+    num_kv_blocks: int
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    num_finished_total: int = 0
+    num_aborted_total: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class Engine(abc.ABC):
+    """One inference engine (sim or vLLM) behind the worker service."""
+
+    name: str = "engine"
+
+    @abc.abstractmethod
+    async def start(self) -> EngineSpec: ...
+
+    @abc.abstractmethod
+    async def stop(self) -> None: ...
+
+    @abc.abstractmethod
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+    ) -> AsyncIterator[EngineOutput]: ...
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def load(self) -> EngineLoad: ...
+
+    def kv_events(self) -> AsyncIterator[list[KvEvent]]:
+        """KV cache events; engines without them return an iterator that never yields."""
+        return _never()
+
+
+async def _never() -> AsyncIterator[list[KvEvent]]:
+    import asyncio
+
+    await asyncio.Event().wait()
+    yield []  # pragma: no cover - unreachable, makes this an async generator

@@ -1,0 +1,171 @@
+"""Wires one Engine to the bus: generate/abort/load subjects, registry heartbeats, load and KV events.
+
+    edge --GenerateRequest(reply=stream subject)--> <ns>.worker.<id>.generate
+    worker --TokenChunk* then StreamEnd|StreamError--> stream subject
+    edge --AbortRequest--> <ns>.worker.<id>.abort
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+from nats.aio.msg import Msg
+from opentelemetry.trace import Status, StatusCode
+
+from services.worker.config import WorkerConfig
+from services.worker.engines import Engine, EngineSpec, create_engine
+from shared import schema
+from shared.bus import Bus, TokenStreamSender
+from shared.registry import WorkerRegistration
+from shared.schema import AbortRequest, GenerateRequest, KvEventBatch, LoadRequest, LoadSnapshot, WorkerInfo
+from shared.telemetry import tracer
+
+log = logging.getLogger("infermesh.worker")
+_tracer = tracer("infermesh.worker")
+
+
+class WorkerService:
+    def __init__(self, config: WorkerConfig, bus: Bus, engine: Engine | None = None) -> None:
+        self.config = config
+        self.bus = bus
+        self.worker_id = config.worker_id or f"w-{uuid.uuid4().hex[:8]}"
+        self.engine = engine or create_engine(config.engine, **config.engine_options())
+        self.spec: EngineSpec | None = None
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._background: list[asyncio.Task[None]] = []
+        self._subs: list[object] = []
+        self._registration: WorkerRegistration | None = None
+        self._load_seq = 0
+        self._kv_seq = 0
+        self._num_finished = 0
+        self._num_aborted = 0
+        self._load_changed = asyncio.Event()
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        self.spec = await self.engine.start()
+        s = self.bus.subjects
+        self._subs = [
+            await self.bus.subscribe(s.worker_generate(self.worker_id), GenerateRequest, self._on_generate),
+            await self.bus.subscribe(s.worker_abort(self.worker_id), AbortRequest, self._on_abort),
+            await self.bus.subscribe(s.worker_load(self.worker_id), LoadRequest, self._on_load_request),
+        ]
+        self._registration = WorkerRegistration(self.bus, self._info, self.config.heartbeat_s, self.config.heartbeat_ttl_s)
+        await self._registration.start()
+        self._background = [
+            asyncio.create_task(self._publish_load_loop(), name="load"),
+            asyncio.create_task(self._publish_kv_events_loop(), name="kv-events"),
+        ]
+        log.info("worker %s serving %s (%s engine, role %s)", self.worker_id, self.spec.model, self.engine.name, self.config.role)
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            await sub.unsubscribe()  # type: ignore[attr-defined]
+        if self._registration:
+            await self._registration.stop()
+        for task in list(self._tasks.values()):
+            task.cancel()
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), *self._background, return_exceptions=True)
+        await self.engine.stop()
+
+    def _info(self) -> WorkerInfo:
+        assert self.spec is not None
+        sp = self.spec
+        return WorkerInfo(
+            worker_id=self.worker_id, role=self.config.role, model=sp.model, engine=self.engine.name,  # type: ignore[arg-type]
+            block_size=sp.block_size, num_kv_blocks=sp.num_kv_blocks, max_model_len=sp.max_model_len,
+            tokenizer=sp.tokenizer, kv_dtype=sp.kv_dtype, heartbeat_ttl_s=self.config.heartbeat_ttl_s,
+            started_at=time.time(), ts=time.time(),
+        )
+
+    # ------------------------------------------------------------ handlers
+    async def _on_generate(self, request: GenerateRequest, raw: Msg) -> None:
+        if not raw.reply:
+            log.warning("generate %s without a reply subject: dropped", request.request_id)
+            return
+        stream = TokenStreamSender(self.bus, raw.reply, self.worker_id, request.request_id)
+        task = asyncio.create_task(self._run(request, stream), name=f"gen-{request.request_id}")
+        self._tasks[request.request_id] = task
+        task.add_done_callback(lambda _t, rid=request.request_id: self._tasks.pop(rid, None))
+        self._load_changed.set()
+
+    async def _run(self, request: GenerateRequest, stream: TokenStreamSender) -> None:
+        with _tracer.start_as_current_span("worker.generate") as span:
+            span.set_attributes({"infermesh.worker_id": self.worker_id, "infermesh.request_id": request.request_id,
+                                 "infermesh.num_prompt_tokens": len(request.prompt_token_ids)})
+            num_output = 0
+            try:
+                async for out in self.engine.generate(request.request_id, request.prompt_token_ids, request.sampling):
+                    num_output += len(out.token_ids)
+                    if out.finish_reason is None:
+                        if out.token_ids:
+                            await stream.tokens(out.token_ids)
+                        continue
+                    if out.token_ids:
+                        await stream.tokens(out.token_ids)
+                    await stream.end(out.finish_reason, out.num_prompt_tokens or len(request.prompt_token_ids),
+                                     out.num_cached_tokens, num_output)
+                    span.set_attributes({"infermesh.finish_reason": out.finish_reason,
+                                         "infermesh.num_cached_tokens": out.num_cached_tokens,
+                                         "infermesh.num_output_tokens": num_output})
+                    if out.finish_reason == "abort":
+                        self._num_aborted += 1
+                    else:
+                        self._num_finished += 1
+                    break
+                if not stream.closed:
+                    await stream.error("engine_error", "engine ended the request without a finish reason")
+            except asyncio.CancelledError:
+                await self.engine.abort(request.request_id)
+                if not stream.closed:
+                    await stream.error("worker_shutdown", f"worker {self.worker_id} is shutting down")
+                raise
+            except Exception as exc:
+                log.exception("request %s failed", request.request_id)
+                span.set_status(Status(StatusCode.ERROR, str(exc)))
+                if not stream.closed:
+                    await stream.error("engine_error", f"{type(exc).__name__}: {exc}")
+            finally:
+                self._load_changed.set()
+
+    async def _on_abort(self, request: AbortRequest, raw: Msg) -> None:
+        if request.request_id in self._tasks:
+            await self.engine.abort(request.request_id)
+
+    async def _on_load_request(self, _request: LoadRequest, raw: Msg) -> None:
+        await self.bus.respond(raw, self.load_snapshot())
+
+    # ------------------------------------------------------------ load and KV events
+    def load_snapshot(self) -> LoadSnapshot:
+        load = self.engine.load()
+        self._load_seq += 1
+        return LoadSnapshot(
+            source_id=self.worker_id, seq=self._load_seq, ts=schema.now(), num_running=load.num_running,
+            num_waiting=load.num_waiting, num_active_blocks=load.num_active_blocks,
+            num_kv_blocks=load.num_kv_blocks, num_aborted_total=self._num_aborted,
+            num_finished_total=self._num_finished,
+        )
+
+    async def _publish_load_loop(self) -> None:
+        """Publish load on change (at most every 20 ms) and at least every ``load_publish_s``."""
+        subject = self.bus.subjects.load(self.worker_id)
+        while True:
+            try:
+                await asyncio.wait_for(self._load_changed.wait(), self.config.load_publish_s)
+            except asyncio.TimeoutError:
+                pass
+            self._load_changed.clear()
+            await self.bus.nc.publish(subject, schema.encode(self.load_snapshot()))
+            await asyncio.sleep(0.02)
+
+    async def _publish_kv_events_loop(self) -> None:
+        subject = self.bus.subjects.kv_events(self.worker_id)
+        async for events in self.engine.kv_events():
+            self._kv_seq += 1
+            batch = KvEventBatch(self.worker_id, self._kv_seq, schema.now(), events)
+            await self.bus.nc.publish(subject, schema.encode(batch))

@@ -1,0 +1,223 @@
+"""The bus layer: typed request/reply, subscriptions and token streams over nats-py.
+
+Every publish carries the current W3C trace context in NATS headers, and every
+handler runs inside the context its message carried, so one request yields one
+trace across services.
+
+Token streams: the edge publishes a GenerateRequest with ``reply`` set to a
+stream subject of its own; the worker answers on that subject with numbered
+StreamMessages (TokenChunk* then exactly one StreamEnd or StreamError). The
+edge holds a single wildcard subscription for all its streams and hands each
+message to the waiting request (no SUB/UNSUB per request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Awaitable, Callable, TypeVar
+
+import nats
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from opentelemetry import context as otel_context
+
+from shared import schema
+from shared.schema import StreamEnd, StreamError, StreamMessage, TokenChunk
+from shared.subjects import Subjects
+from shared.telemetry import extract_context, inject_headers
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+NO_RESPONDERS = "503"
+
+
+class BusError(Exception):
+    """A request on the bus failed: no responder or timeout."""
+
+
+class Bus:
+    """A connected NATS client plus the namespace's subject names."""
+
+    def __init__(self, nc: NatsClient, subjects: Subjects) -> None:
+        self.nc = nc
+        self.subjects = subjects
+        self.js = nc.jetstream()
+
+    @classmethod
+    async def connect(cls, url: str, namespace: str, name: str) -> "Bus":
+        nc = await nats.connect(
+            url,
+            name=name,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            connect_timeout=5,
+        )
+        return cls(nc, Subjects(namespace))
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+    async def publish(self, subject: str, message: Any, reply: str = "") -> None:
+        await self.nc.publish(subject, schema.encode(message), reply=reply, headers=inject_headers())
+
+    async def request(self, subject: str, message: Any, reply_type: type[T], timeout: float = 2.0) -> T:
+        try:
+            msg = await self.nc.request(subject, schema.encode(message), timeout=timeout, headers=inject_headers())
+        except nats.errors.NoRespondersError as exc:
+            raise BusError(f"no responder on {subject}") from exc
+        except nats.errors.TimeoutError as exc:
+            raise BusError(f"timeout after {timeout}s on {subject}") from exc
+        return schema.decode(msg.data, reply_type)
+
+    async def subscribe(
+        self,
+        subject: str,
+        kind: Any,
+        handler: Callable[[Any, Msg], Awaitable[None]],
+        queue: str = "",
+    ) -> Any:
+        """Decode each message as ``kind`` and run ``handler(message, raw)`` in its trace context."""
+
+        async def on_message(raw: Msg) -> None:
+            try:
+                message = schema.decode(raw.data, kind)
+            except Exception:  # a malformed message must not kill the subscription
+                log.warning("dropping undecodable message on %s", raw.subject)
+                return
+            token = otel_context.attach(extract_context(raw.headers))
+            try:
+                await handler(message, raw)
+            except Exception:
+                log.exception("handler for %s failed", raw.subject)
+            finally:
+                otel_context.detach(token)
+
+        return await self.nc.subscribe(subject, queue=queue, cb=on_message)
+
+    async def respond(self, raw: Msg, message: Any) -> None:
+        if raw.reply:
+            await self.nc.publish(raw.reply, schema.encode(message))
+
+
+class TokenStreamSender:
+    """Worker side of one token stream: numbers messages and guarantees one terminal message."""
+
+    def __init__(self, bus: Bus, subject: str, source_id: str, request_id: str) -> None:
+        self._bus = bus
+        self._subject = subject
+        self._source_id = source_id
+        self._request_id = request_id
+        self._seq = 0
+        self.closed = False
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    async def _send(self, message: StreamMessage) -> None:
+        await self._bus.nc.publish(self._subject, schema.encode(message))
+
+    async def tokens(self, token_ids: list[int]) -> None:
+        await self._send(TokenChunk(self._source_id, self._next_seq(), schema.now(), self._request_id, token_ids))
+
+    async def end(self, finish_reason: str, num_prompt: int, num_cached: int, num_output: int) -> None:
+        self.closed = True
+        await self._send(
+            StreamEnd(
+                self._source_id, self._next_seq(), schema.now(), self._request_id,
+                finish_reason, num_prompt, num_cached, num_output,  # type: ignore[arg-type]
+            )
+        )
+
+    async def error(self, code: str, message: str) -> None:
+        self.closed = True
+        await self._send(StreamError(self._source_id, self._next_seq(), schema.now(), self._request_id, code, message))
+
+
+class TokenStream:
+    """Edge side of one token stream: an async iterator of StreamMessages ending at the terminal one."""
+
+    def __init__(self, request_id: str, worker_id: str) -> None:
+        self.request_id = request_id
+        self.worker_id = worker_id
+        self._queue: asyncio.Queue[StreamMessage] = asyncio.Queue()
+        self._expected_seq = 1
+        self.done = False
+
+    def _deliver(self, message: StreamMessage) -> None:
+        if self.done:
+            return
+        if message.seq != self._expected_seq:
+            message = StreamError(
+                message.source_id, message.seq, schema.now(), self.request_id, "stream_gap",
+                f"token stream from {message.source_id} lost messages {self._expected_seq}..{message.seq - 1}",
+            )
+        self._expected_seq = message.seq + 1
+        self._queue.put_nowait(message)
+
+    def fail(self, code: str, message: str) -> None:
+        """End the stream with an error (worker vanished, no responder, timeout)."""
+        if not self.done:
+            self._queue.put_nowait(StreamError(self.worker_id, 0, schema.now(), self.request_id, code, message))
+
+    async def next(self, timeout: float | None = None) -> StreamMessage:
+        try:
+            message = await asyncio.wait_for(self._queue.get(), timeout)
+        except asyncio.TimeoutError:
+            message = StreamError(self.worker_id, 0, schema.now(), self.request_id, "timeout",
+                                  f"no message from worker {self.worker_id} for {timeout}s")
+        if isinstance(message, (StreamEnd, StreamError)):
+            self.done = True
+        return message
+
+
+class StreamReceiver:
+    """One wildcard subscription that feeds every open TokenStream of an edge."""
+
+    def __init__(self, bus: Bus, edge_id: str) -> None:
+        self._bus = bus
+        self._prefix = bus.subjects.stream_prefix(edge_id)
+        self._streams: dict[str, TokenStream] = {}
+        self._sub: Any = None
+
+    async def start(self) -> None:
+        self._sub = await self._bus.nc.subscribe(self._prefix + ".*", cb=self._on_message)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+        for stream in list(self._streams.values()):
+            stream.fail("shutdown", "edge is shutting down")
+
+    def subject(self, request_id: str) -> str:
+        return f"{self._prefix}.{request_id}"
+
+    def open(self, request_id: str, worker_id: str) -> TokenStream:
+        stream = TokenStream(request_id, worker_id)
+        self._streams[request_id] = stream
+        return stream
+
+    def close(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def fail_worker(self, worker_id: str, code: str, message: str) -> int:
+        """Fail every open stream served by ``worker_id``; returns how many."""
+        failed = [s for s in self._streams.values() if s.worker_id == worker_id and not s.done]
+        for stream in failed:
+            stream.fail(code, message)
+        return len(failed)
+
+    async def _on_message(self, raw: Msg) -> None:
+        request_id = raw.subject.rpartition(".")[2]
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        if not raw.data and raw.headers and raw.headers.get("Status") == NO_RESPONDERS:
+            stream.fail("worker_unavailable", f"worker {stream.worker_id} has no generate subscriber")
+            return
+        try:
+            stream._deliver(schema.decode(raw.data, StreamMessage))
+        except Exception:
+            stream.fail("bad_message", "undecodable token stream message")

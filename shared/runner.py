@@ -1,0 +1,57 @@
+"""Run one service as a process: config, logging, tracing, bus, signals, clean stop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from typing import Awaitable, Callable, Protocol, Sequence, TypeVar
+
+from shared.bus import Bus
+from shared.config import BusConfig, load_config
+from shared.telemetry import setup_tracing
+
+C = TypeVar("C", bound=BusConfig)
+
+
+class Service(Protocol):
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+
+
+def setup_logging(level: str, name: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr,
+        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
+    )
+
+
+async def serve(name: str, config: BusConfig, build: Callable[[Bus], Service | Awaitable[Service]]) -> None:
+    """Connect, start the service, wait for SIGINT/SIGTERM, stop it and close the bus."""
+    setup_tracing(f"infermesh-{name}")
+    bus = await Bus.connect(config.nats_url, config.namespace, name=f"infermesh-{name}")
+    built = build(bus)
+    service = await built if asyncio.iscoroutine(built) else built
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await service.start()  # type: ignore[union-attr]
+    try:
+        await stop.wait()
+    finally:
+        await service.stop()  # type: ignore[union-attr]
+        await bus.close()
+
+
+def main(name: str, config_type: type[C], build: Callable[[C, Bus], Service], argv: Sequence[str] | None = None) -> None:
+    config = load_config(config_type, sys.argv[1:] if argv is None else argv)
+    setup_logging(config.log_level, name)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(name, config, lambda bus: build(config, bus)))

@@ -1,0 +1,188 @@
+"""Every message that crosses the bus, as msgspec Structs (msgpack on the wire).
+
+Event streams (token streams, load, KV events) carry ``(source_id, seq, ts)`` so
+a consumer can order them and detect gaps. Kinds of one stream are tagged unions.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import lru_cache
+from typing import Literal, TypeVar
+
+import msgspec
+from msgspec import Struct
+
+Role = Literal["both", "prefill", "decode"]
+FinishReason = Literal["stop", "length", "abort"]
+
+
+# ---------------------------------------------------------------- registry
+class WorkerInfo(Struct, frozen=True):
+    """What a worker advertises in the workers KV bucket (re-put at every heartbeat)."""
+
+    worker_id: str
+    role: Role
+    model: str
+    engine: str
+    block_size: int
+    num_kv_blocks: int
+    max_model_len: int
+    tokenizer: str  # path or hub-free identifier the edge loads the tokenizer from
+    kv_dtype: str = "auto"
+    kv_layout: str = "LBHNC"
+    heartbeat_ttl_s: float = 5.0
+    started_at: float = 0.0
+    ts: float = 0.0
+
+
+# ---------------------------------------------------------------- load
+class LoadRequest(Struct, frozen=True):
+    pass
+
+
+class LoadSnapshot(Struct, frozen=True):
+    """A worker's load: published on change and periodically, and answered on request."""
+
+    source_id: str
+    seq: int
+    ts: float
+    num_running: int
+    num_waiting: int
+    num_active_blocks: int
+    num_kv_blocks: int
+    num_aborted_total: int = 0
+    num_finished_total: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        return self.num_active_blocks / self.num_kv_blocks if self.num_kv_blocks else 0.0
+
+
+# ---------------------------------------------------------------- routing
+class RouteRequest(Struct, frozen=True):
+    request_id: str
+    model: str
+    num_prompt_tokens: int
+    session_id: str | None = None
+    exclude_worker_ids: list[str] = []
+
+
+class RouteDecision(Struct, frozen=True, tag="ok"):
+    worker_id: str
+    num_cached_tokens_expected: int = 0
+
+
+class RouteRejected(Struct, frozen=True, tag="rejected"):
+    code: str  # "model_not_found" | "no_capacity"
+    message: str
+
+
+RouteReply = RouteDecision | RouteRejected
+
+
+# ---------------------------------------------------------------- generation
+class SamplingParams(Struct, frozen=True):
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+
+class GenerateRequest(Struct, frozen=True):
+    """Sent to ``<ns>.worker.<id>.generate`` with the token stream subject as the NATS reply."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    attempt: int = 0
+
+
+class AbortRequest(Struct, frozen=True):
+    request_id: str
+
+
+class TokenChunk(Struct, frozen=True, tag="tok"):
+    source_id: str
+    seq: int
+    ts: float
+    request_id: str
+    token_ids: list[int]
+
+
+class StreamEnd(Struct, frozen=True, tag="end"):
+    source_id: str
+    seq: int
+    ts: float
+    request_id: str
+    finish_reason: FinishReason
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+
+class StreamError(Struct, frozen=True, tag="err"):
+    source_id: str
+    seq: int
+    ts: float
+    request_id: str
+    code: str  # "engine_error" | "bad_request" | "worker_unavailable" | "timeout"
+    message: str
+
+
+StreamMessage = TokenChunk | StreamEnd | StreamError
+
+
+# ---------------------------------------------------------------- KV events (vLLM's schema)
+class BlockStored(Struct, frozen=True, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+
+
+class BlockRemoved(Struct, frozen=True, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class AllBlocksCleared(Struct, frozen=True, tag="AllBlocksCleared"):
+    pass
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KvEventBatch(Struct, frozen=True):
+    source_id: str
+    seq: int
+    ts: float
+    events: list[KvEvent]
+
+
+# ---------------------------------------------------------------- codec
+T = TypeVar("T")
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+@lru_cache(maxsize=None)
+def _decoder(kind: object) -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(kind)
+
+
+def decode(data: bytes, kind: type[T]) -> T:
+    """Decode ``data`` as ``kind`` (a Struct type or a union of tagged Structs)."""
+    return _decoder(kind).decode(data)
+
+
+def now() -> float:
+    return time.time()

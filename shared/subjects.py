@@ -1,0 +1,78 @@
+"""Every NATS subject and JetStream bucket name used by infermesh, in one place.
+
+All names start with a namespace (default ``im``) so that many meshes - and many
+tests - can share one NATS server without hearing each other.
+
+    <ns>.router.route                 request/reply  RouteRequest -> RouteReply
+    <ns>.worker.<id>.generate         publish, reply=stream subject: GenerateRequest
+    <ns>.worker.<id>.abort            publish        AbortRequest
+    <ns>.worker.<id>.load             request/reply  LoadRequest -> LoadSnapshot
+    <ns>.load.<id>                    publish        LoadSnapshot (on change + periodic)
+    <ns>.kv.<id>                      publish        KvEventBatch
+    <ns>.stream.<edge_id>.<req_id>    publish        StreamMessage (TokenChunk | StreamEnd | StreamError)
+    KV bucket <ns>_workers            key <id>       WorkerInfo, per-key TTL (lapses if heartbeats stop)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_NAMESPACE = "im"
+
+
+def _check_token(value: str, what: str) -> str:
+    if not value or any(c in value for c in ". *>\t\r\n"):
+        raise ValueError(f"{what} {value!r} must be a non-empty NATS token (no '.', '*', '>' or spaces)")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    """Subject names for one namespace."""
+
+    namespace: str = DEFAULT_NAMESPACE
+
+    def __post_init__(self) -> None:
+        _check_token(self.namespace, "namespace")
+
+    # --- request/reply decisions
+    @property
+    def route(self) -> str:
+        return f"{self.namespace}.router.route"
+
+    # --- per worker
+    def worker_generate(self, worker_id: str) -> str:
+        return f"{self.namespace}.worker.{_check_token(worker_id, 'worker id')}.generate"
+
+    def worker_abort(self, worker_id: str) -> str:
+        return f"{self.namespace}.worker.{worker_id}.abort"
+
+    def worker_load(self, worker_id: str) -> str:
+        return f"{self.namespace}.worker.{worker_id}.load"
+
+    # --- broadcast streams
+    def load(self, worker_id: str) -> str:
+        return f"{self.namespace}.load.{worker_id}"
+
+    @property
+    def load_all(self) -> str:
+        return f"{self.namespace}.load.*"
+
+    def kv_events(self, worker_id: str) -> str:
+        return f"{self.namespace}.kv.{worker_id}"
+
+    @property
+    def kv_events_all(self) -> str:
+        return f"{self.namespace}.kv.*"
+
+    # --- token streams back to one edge
+    def stream_prefix(self, edge_id: str) -> str:
+        return f"{self.namespace}.stream.{_check_token(edge_id, 'edge id')}"
+
+    def stream(self, edge_id: str, request_id: str) -> str:
+        return f"{self.stream_prefix(edge_id)}.{request_id}"
+
+    # --- JetStream KV buckets (bucket names allow no dots)
+    @property
+    def workers_bucket(self) -> str:
+        return f"{self.namespace}_workers"

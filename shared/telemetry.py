@@ -1,0 +1,48 @@
+"""OpenTelemetry bootstrap and W3C trace-context propagation through NATS headers.
+
+With ``OTEL_EXPORTER_OTLP_ENDPOINT`` set, spans go to that OTLP/HTTP collector
+(Jaeger, Phoenix); otherwise no exporter is installed and tracing costs almost
+nothing. Tests install their own provider with an in-memory exporter.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+from opentelemetry import context, trace
+from opentelemetry.propagate import extract, inject
+
+_configured = False
+
+
+def setup_tracing(service_name: str) -> None:
+    """Install a tracer provider for this process, once. No-op without an OTLP endpoint."""
+    global _configured
+    if _configured or not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        return
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    trace.set_tracer_provider(provider)
+    _configured = True
+
+
+def tracer(name: str) -> trace.Tracer:
+    return trace.get_tracer(name)
+
+
+def inject_headers(headers: dict[str, str] | None = None) -> dict[str, str]:
+    """Return NATS headers carrying the current span's W3C trace context (traceparent)."""
+    carrier: dict[str, str] = {} if headers is None else headers
+    inject(carrier)
+    return carrier
+
+
+def extract_context(headers: Mapping[str, str] | None) -> context.Context:
+    """The trace context a message's NATS headers carry (an empty context when none)."""
+    return extract(dict(headers or {}))
