@@ -155,8 +155,8 @@ class EdgeApi:
             raise
         shape = _Shape(kind, response_id, model)
         if stream:
-            return Stream(self._sse_body(first, events, shape, include_usage, span), media_type="text/event-stream",
-                          headers=SSE_HEADERS)
+            return Stream(self._sse_body(first, events, shape, include_usage, span),
+                          media_type="text/event-stream", status_code=200, headers=SSE_HEADERS)
         return await self._complete(first, events, shape, span)
 
     async def _complete(self, first: str | Finished, events: AsyncIterator[str | Finished], shape: "_Shape",

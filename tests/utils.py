@@ -1,0 +1,32 @@
+"""Small helpers shared by tests."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from typing import Awaitable, Callable
+
+
+def wait_for_port(port: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return True
+        time.sleep(0.05)
+    return False
+
+
+async def eventually(check: Callable[[], bool | Awaitable[bool]], timeout_s: float, interval_s: float = 0.05) -> float:
+    """Wait until ``check()`` is true; return the seconds it took. Fails the test on timeout."""
+    start = time.monotonic()
+    while True:
+        result = check()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"condition not met within {timeout_s}s")
+        await asyncio.sleep(interval_s)
