@@ -157,7 +157,8 @@ def make_tiny_llama(path: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    _fresh(folder)
+    # Never wipe a caller's folder: save_pretrained overwrites our files in place.
+    folder.mkdir(parents=True, exist_ok=True)
     tok = _train_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tok), hidden_size=256, intermediate_size=512,

@@ -89,6 +89,7 @@ class WorkerDirectory:
         self._watcher = None
         self._task: asyncio.Task[None] | None = None
         self._synced = asyncio.Event()
+        self._stopping = False
 
     async def start(self) -> None:
         kv = await workers_bucket(self._bus)
@@ -97,14 +98,17 @@ class WorkerDirectory:
         await asyncio.wait_for(self._synced.wait(), 5)
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        # Stop the watcher first (it wakes the loop with a sentinel): cancelling alone can be
+        # swallowed by wait_for inside nats-py when an update lands at the same moment.
+        self._stopping = True
         if self._watcher is not None:
             try:
                 await self._watcher.stop()
             except Exception:
                 pass
+        if self._task:
+            self._task.cancel()
+            await asyncio.wait([self._task], timeout=2)
 
     def live(self, model: str | None = None) -> list[WorkerInfo]:
         """Workers whose heartbeat is fresh (a backstop to the server TTL), optionally for one model."""
@@ -120,7 +124,7 @@ class WorkerDirectory:
 
     async def _watch(self) -> None:
         assert self._watcher is not None
-        while True:
+        while not self._stopping:
             try:
                 entry = await self._watcher.updates(timeout=3600)
             except asyncio.TimeoutError:
@@ -132,6 +136,8 @@ class WorkerDirectory:
             if entry is None:
                 self._synced.set()
                 continue
+            if self._stopping or not hasattr(entry, "operation"):
+                return
             if entry.operation in ("DEL", "PURGE") or entry.value is None or not entry.value:
                 self._remove(entry.key)
                 continue
