@@ -138,12 +138,16 @@ def run_mesh(options: MeshOptions) -> int:
               f"\n  python -c \"from openai import OpenAI; c = OpenAI(base_url='{base_url}', api_key='{options.dev_key}');"
               f" print(c.chat.completions.create(model='{options.model}', messages=[{{'role': 'user', 'content': 'Hi'}}],"
               f" max_tokens=32).choices[0].message.content)\"\n\n  Ctrl-C stops everything.\n", flush=True)
+        reported: set[str] = set()
         while not stop.is_set():
-            dead = group.dead()
-            if dead:
-                for child in dead:
-                    _say(f"{child.name} exited with code {child.popen.returncode}:\n{child.tail()}")
-                return 1
+            for child in group.dead():
+                if child.name in reported:
+                    continue
+                reported.add(child.name)
+                _say(f"{child.name} exited with code {child.popen.returncode}:\n{child.tail()}")
+                if not child.name.startswith("worker-"):
+                    return 1  # the mesh cannot serve without NATS, router or edge
+                _say("the other workers keep serving")
             stop.wait(0.5)
         return 0
     finally:

@@ -95,6 +95,8 @@ class EdgeApi:
             raise errors.invalid_request(exc.message, exc.param, exc.code) from exc
         info, tokenizer = await self._model(body.model)
         prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        if any(not 0 <= t < tokenizer.vocab_size for t in prompt_ids):
+            raise errors.invalid_request(f"Token ids in 'prompt' must be in [0, {tokenizer.vocab_size}).", "prompt")
         return await self._serve(request, "text", body.model, prompt_ids, sampling, tokenizer, info.max_model_len,
                                  body.stream, bool(body.stream_options and body.stream_options.include_usage))
 

@@ -11,7 +11,23 @@ import os
 from pathlib import Path
 from typing import Any
 
-# Role-tagged turns; the assistant turn is left open for generation.
+# Gemma's turn format, for Gemma checkpoints whose tokenizer ships no template
+# (the GGUF-converted Gemma 3 270M): system text is folded into the first user turn.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set system = namespace(text='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] in ('system', 'developer') %}{% set system.text = system.text + message['content'] + '\\n\\n' %}"
+    "{% else %}"
+    "<start_of_turn>{{ 'model' if message['role'] == 'assistant' else 'user' }}\n"
+    "{% if loop.first or system.text %}{{ system.text }}{% set system.text = '' %}{% endif %}"
+    "{{ message['content'] | trim }}<end_of_turn>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+# Any other model without a template: role-tagged turns, the assistant turn left open.
 DEFAULT_CHAT_TEMPLATE = (
     "{{ bos_token if bos_token else '' }}"
     "{% for message in messages %}"
@@ -28,11 +44,16 @@ class ModelTokenizer:
 
         self.path = path
         self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        self.has_chat_template = bool(getattr(self.hf, "chat_template", None))
-        self.stop_token_ids = sorted(self._stop_token_ids())
+        vocab = self.hf.get_vocab()
+        self.vocab_size = len(self.hf)
+        self.chat_template: str | None = None  # None: the model's own
+        if not getattr(self.hf, "chat_template", None):
+            is_gemma = "<start_of_turn>" in vocab and "<end_of_turn>" in vocab
+            self.chat_template = GEMMA_CHAT_TEMPLATE if is_gemma else DEFAULT_CHAT_TEMPLATE
+        self.stop_token_ids = sorted(self._stop_token_ids(vocab))
 
-    def _stop_token_ids(self) -> set[int]:
-        ids: set[int] = set()
+    def _stop_token_ids(self, vocab: dict[str, int]) -> set[int]:
+        ids: set[int] = {vocab[t] for t in ("<end_of_turn>", "<|im_end|>", "<|eot_id|>") if t in vocab}
         if self.hf.eos_token_id is not None:
             ids.add(int(self.hf.eos_token_id))
         generation_config = Path(self.path) / "generation_config.json"
@@ -46,7 +67,7 @@ class ModelTokenizer:
             messages,
             tokenize=False,
             add_generation_prompt=True,
-            chat_template=None if self.has_chat_template else DEFAULT_CHAT_TEMPLATE,
+            chat_template=self.chat_template,
         )
         return self.encode(text, add_special_tokens=False)
 

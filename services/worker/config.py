@@ -20,7 +20,7 @@ class WorkerConfig(BusConfig):
     heartbeat_ttl_s: float = 3.0
     load_publish_s: float = 0.5
     # engine options
-    block_size: int = 16
+    block_size: int = 0  # 0: the engine default (sim 16, vLLM CPU 128)
     num_kv_blocks: int = 8192
     max_model_len: int = 8192
     sim_ttft_ms: float = 20.0
@@ -38,7 +38,7 @@ class WorkerConfig(BusConfig):
     def engine_options(self) -> dict[str, object]:
         if self.engine == "sim":
             return dict(
-                model=self.model, tokenizer=self.model_path, block_size=self.block_size,
+                model=self.model, tokenizer=self.model_path, block_size=self.block_size or 16,
                 num_kv_blocks=self.num_kv_blocks, max_model_len=self.max_model_len,
                 ttft_ms=self.sim_ttft_ms, itl_ms=self.sim_itl_ms,
                 prefill_us_per_token=self.sim_prefill_us_per_token,

@@ -16,7 +16,7 @@ from nats.aio.msg import Msg
 from opentelemetry.trace import Status, StatusCode
 
 from services.worker.config import WorkerConfig
-from services.worker.engines import Engine, EngineSpec, create_engine
+from services.worker.engines import Engine, EngineRequestError, EngineSpec, create_engine
 from shared import schema
 from shared.bus import Bus, TokenStreamSender
 from shared.registry import WorkerRegistration
@@ -125,6 +125,9 @@ class WorkerService:
                 if not stream.closed:
                     await stream.error("worker_shutdown", f"worker {self.worker_id} is shutting down")
                 raise
+            except EngineRequestError as exc:
+                if not stream.closed:
+                    await stream.error("bad_request", str(exc))
             except Exception as exc:
                 log.exception("request %s failed", request.request_id)
                 span.set_status(Status(StatusCode.ERROR, str(exc)))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from services.worker.engines.base import Engine, EngineLoad, EngineOutput, EngineSpec
+from services.worker.engines.base import Engine, EngineLoad, EngineOutput, EngineRequestError, EngineSpec
 
-__all__ = ["Engine", "EngineLoad", "EngineOutput", "EngineSpec", "create_engine"]
+__all__ = ["Engine", "EngineLoad", "EngineOutput", "EngineRequestError", "EngineSpec", "create_engine"]
 
 
 def create_engine(kind: str, **options: object) -> Engine:

@@ -19,6 +19,10 @@ from typing import AsyncIterator
 from shared.schema import KvEvent, SamplingParams
 
 
+class EngineRequestError(ValueError):
+    """The engine rejected a request as invalid (the client's fault, not the engine's)."""
+
+
 @dataclass(slots=True, frozen=True)
 class EngineSpec:
     """What an engine serves, known once it has started."""

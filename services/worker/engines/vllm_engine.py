@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from services.worker.engines.base import Engine, EngineLoad, EngineOutput, EngineSpec
+from services.worker.engines.base import Engine, EngineLoad, EngineOutput, EngineRequestError, EngineSpec
 from shared.schema import SamplingParams
 
 log = logging.getLogger("infermesh.worker.vllm")
@@ -24,7 +24,7 @@ log = logging.getLogger("infermesh.worker.vllm")
 class VllmEngineConfig:
     model: str
     model_path: str
-    block_size: int = 16
+    block_size: int = 0  # 0: the engine's default (128 on vLLM CPU)
     max_model_len: int = 8192
     kv_cache_gib: float = 1.0
     kv_cache_dtype: str = "auto"
@@ -64,7 +64,7 @@ class VllmEngine(Engine):
 
         args = AsyncEngineArgs(
             model=c.model_path, served_model_name=c.model, enforce_eager=True, max_model_len=c.max_model_len,
-            block_size=c.block_size, enable_prefix_caching=c.enable_prefix_caching,
+            block_size=c.block_size or None, enable_prefix_caching=c.enable_prefix_caching,
             kv_cache_dtype=c.kv_cache_dtype, disable_log_stats=True,
         )
         self._llm = AsyncLLM.from_engine_args(args)
@@ -94,15 +94,15 @@ class VllmEngine(Engine):
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
     ) -> AsyncIterator[EngineOutput]:
-        from vllm.inputs import TokensPrompt
+        from vllm.exceptions import VLLMValidationError
+        from vllm.inputs import tokens_input
 
         state = _Running(len(prompt_token_ids))
         self._running[request_id] = state
         num_cached = 0
         try:
-            stream = self._llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids),
-                                        self._sampling(sampling), request_id)
-            async for out in stream:
+            stream = self._llm.generate(tokens_input(prompt_token_ids), self._sampling(sampling), request_id)
+            async for out in _rejections_as(stream, VLLMValidationError):
                 if out.num_cached_tokens:
                     num_cached = out.num_cached_tokens
                 completion = out.outputs[0]
@@ -129,6 +129,15 @@ class VllmEngine(Engine):
             await self._llm.abort(request_id)
 
     def load(self) -> EngineLoad:
-        bs = self._block_size
+        bs = max(1, self._block_size)
         blocks = sum(math.ceil((s.num_prompt_tokens + s.num_output_tokens) / bs) for s in self._running.values())
         return EngineLoad(len(self._running), 0, blocks, self._num_kv_blocks)
+
+
+async def _rejections_as(stream: AsyncIterator[Any], rejection: type[Exception]) -> AsyncIterator[Any]:
+    """Re-raise vLLM's validation errors (bad prompt, bad ids) as EngineRequestError."""
+    try:
+        async for item in stream:
+            yield item
+    except rejection as exc:
+        raise EngineRequestError(str(exc)) from exc

@@ -1,0 +1,59 @@
+"""Run ``infermesh up`` as a subprocess for tests and read its banner."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import psutil
+
+
+@dataclass
+class UpProcess:
+    argv: list[str]
+    key: str = "e2e-key"
+    lines: list[str] = field(default_factory=list)
+    popen: subprocess.Popen[str] | None = None
+
+    def start(self, timeout_s: float) -> None:
+        env = {**os.environ, "INFERMESH_DEV_KEY": self.key}
+        self.popen = subprocess.Popen([sys.executable, "-m", "infermesh.cli", "up", *self.argv], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        threading.Thread(target=self._read, daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any("base URL" in line for line in self.lines):
+                return
+            if self.popen.poll() is not None:
+                break
+            time.sleep(0.1)
+        self.stop()
+        raise AssertionError("infermesh up did not become ready:\n" + "".join(self.lines[-40:]))
+
+    def _read(self) -> None:
+        assert self.popen and self.popen.stdout
+        for line in self.popen.stdout:
+            self.lines.append(line)
+
+    def descendants(self) -> list[psutil.Process]:
+        assert self.popen
+        try:
+            return psutil.Process(self.popen.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self, timeout_s: float = 60) -> int:
+        """SIGTERM; returns the exit code. Fails if any process of the mesh outlives it."""
+        assert self.popen
+        children = self.descendants()
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+        code = self.popen.wait(timeout_s)
+        _gone, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, f"orphans left behind: {[p.pid for p in alive]}"
+        return code
