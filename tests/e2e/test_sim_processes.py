@@ -1,0 +1,87 @@
+"""Services as real processes: ``infermesh up --engine sim --workers 2``, and a worker killed with SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import openai
+import pytest
+
+from infermesh.local import LocalMesh
+from infermesh.processes import free_port
+from shared.bus import Bus
+from shared.schema import LoadRequest, LoadSnapshot
+from tests.e2e.mesh_process import UpProcess
+from tests.utils import eventually
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+MESSAGES = [{"role": "user", "content": "route me somewhere with a warm cache"}]
+
+
+async def _finished(bus: Bus, worker_id: str) -> int:
+    snapshot = await bus.request(bus.subjects.worker_load(worker_id), LoadRequest(), LoadSnapshot)
+    return snapshot.num_finished_total
+
+
+async def test_up_with_two_sim_workers_serves_on_both_and_stops_cleanly(nats_url, tiny_model, tmp_path):
+    namespace = f"u{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    up = UpProcess(["--engine", "sim", "--workers", "2", "--model", "tiny", "--model-path", str(tiny_model),
+                    "--nats-url", nats_url, "--namespace", namespace, "--http-port", str(port),
+                    "--state-dir", str(tmp_path)])
+    up.start(timeout_s=60)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=up.key, max_retries=0)
+        for _ in range(6):
+            reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5)
+            assert reply.usage.completion_tokens == 5
+        bus = await Bus.connect(nats_url, namespace, "probe")
+        served = [await _finished(bus, f"sim-{i}") for i in range(2)]
+        await bus.close()
+        assert sum(served) == 6 and min(served) > 0, served
+        assert len(up.descendants()) >= 4  # router, 2 workers, edge (NATS is the test's own)
+    finally:
+        assert up.stop() == 0
+
+
+async def test_killed_worker_lapses_within_ttl_and_traffic_moves(nats_url, namespace, tiny_model):
+    mesh = LocalMesh(nats_url, namespace)
+    await mesh.start_router()
+    await mesh.start_edge()
+    env = {**os.environ, "INFERMESH_NATS_URL": nats_url, "INFERMESH_NAMESPACE": namespace}
+    procs = {
+        wid: subprocess.Popen([sys.executable, "-m", "services.worker", "--worker-id", wid, "--engine", "sim",
+                               "--model", "tiny", "--model-path", str(tiny_model), "--heartbeat-s", "0.5",
+                               "--heartbeat-ttl-s", "2", "--sim-itl-ms", "50"], env=env)
+        for wid in ("sim-a", "sim-b")
+    }
+    try:
+        await eventually(lambda: len(mesh.edge.mesh.directory.live()) == 2 and mesh.edge.mesh.is_ready(), 30)
+        client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key=mesh.dev_key, max_retries=0)
+        in_flight = await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=200,
+                                                         stream=True)
+        (doomed,) = [s.worker_id for s in mesh.edge.mesh.receiver._streams.values()]
+        (survivor,) = set(procs) - {doomed}
+        procs[doomed].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        lapse = await eventually(lambda: doomed not in mesh.router.directory.workers, 2 + 1.5, 0.02)
+        assert lapse <= 3.5, lapse
+        with pytest.raises(openai.APIError, match="left the mesh"):  # the open stream errors instead of hanging
+            async for _chunk in in_flight:
+                pass
+        assert time.monotonic() - killed_at < 5
+        before = await _finished(mesh.edge.mesh.bus, survivor)
+        for _ in range(4):
+            reply = await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3)
+            assert reply.choices[0].finish_reason == "length"
+        assert await _finished(mesh.edge.mesh.bus, survivor) == before + 4
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+            proc.wait(10)
+        await mesh.stop()
