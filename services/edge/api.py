@@ -179,23 +179,25 @@ class EdgeApi:
 
     async def _sse_body(self, first: str | Finished, events: AsyncIterator[str | Finished], shape: "_Shape",
                         include_usage: bool, span: trace.Span) -> AsyncIterator[bytes]:
+        """SSE events; the opening chunk rides with the first text and the closing ones with [DONE] (fewer writes)."""
+        head = _sse(shape.chunk(None, None, include_usage, first=True)) if shape.kind == "chat" else b""
+        tail = b""
         try:
-            if shape.kind == "chat":
-                yield _sse(shape.chunk(None, None, include_usage, first=True))
             item = first
             while not isinstance(item, Finished):
-                yield _sse(shape.chunk(item, None, include_usage))
+                yield head + _sse(shape.chunk(item, None, include_usage))
+                head = b""
                 item = await events.__anext__()
             _record(span, item)
-            yield _sse(shape.chunk(None, item.finish_reason, include_usage))
+            tail = _sse(shape.chunk(None, item.finish_reason, include_usage))
             if include_usage:
-                yield _sse(shape.usage_chunk(item))
+                tail += _sse(shape.usage_chunk(item))
         except StreamBroken as exc:
-            yield _sse(errors.engine_failed(f"The engine failed mid-generation: {exc}").body())
+            tail = _sse(errors.engine_failed(f"The engine failed mid-generation: {exc}").body())
         finally:
             await events.aclose()
             span.end()
-        yield b"data: [DONE]\n\n"
+        yield head + tail + b"data: [DONE]\n\n"
 
 
 def _record(span: trace.Span, done: Finished) -> None:

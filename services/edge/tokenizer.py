@@ -72,6 +72,9 @@ class ModelTokenizer:
         return self.encode(text, add_special_tokens=False)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        fast = getattr(self.hf, "_tokenizer", None)  # the Rust tokenizer: skips transformers' per-call overhead
+        if fast is not None and not add_special_tokens:
+            return fast.encode(text, add_special_tokens=False).ids
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Any, skip_special_tokens: bool = True) -> str:

@@ -1,0 +1,1 @@
+"""KV-cache kernels (NVFP4) and the KV layout planner: see README.md."""
