@@ -13,6 +13,7 @@ from shared.config import BusConfig, load_config
 from shared.telemetry import setup_tracing
 
 C = TypeVar("C", bound=BusConfig)
+STOP_TIMEOUT_S = 10.0
 
 
 class Service(Protocol):
@@ -41,8 +42,12 @@ async def serve(name: str, config: BusConfig, build: Callable[[Bus], Service | A
     try:
         await stop.wait()
     finally:
-        await service.stop()  # type: ignore[union-attr]
-        await bus.close()
+        # Bounded: with NATS gone, unsubscribe/drain could wait for a reconnect forever.
+        for step in (service.stop, bus.close):  # type: ignore[union-attr]
+            try:
+                await asyncio.wait_for(step(), STOP_TIMEOUT_S)
+            except (asyncio.TimeoutError, Exception) as exc:
+                logging.getLogger(name).warning("shutdown step did not finish cleanly: %r", exc)
 
 
 def main(name: str, config_type: type[C], build: Callable[[C, Bus], Service], argv: Sequence[str] | None = None) -> None:
@@ -51,7 +56,25 @@ def main(name: str, config_type: type[C], build: Callable[[C, Bus], Service], ar
     try:
         import uvloop
 
-        uvloop.install()
+        loop = uvloop.new_event_loop()
     except ImportError:
-        pass
-    asyncio.run(serve(name, config, lambda bus: build(config, bus)))
+        loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(serve(name, config, lambda bus: build(config, bus)))
+    finally:
+        _cancel_leftovers(loop)
+        loop.close()
+
+
+def _cancel_leftovers(loop: asyncio.AbstractEventLoop, timeout_s: float = 3.0) -> None:
+    """Cancel tasks still running after shutdown, waiting at most ``timeout_s``.
+
+    asyncio.run waits for them without a bound; a library task that swallows its
+    cancellation (e.g. a NATS reconnect loop) would keep a dying process alive.
+    """
+    tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        loop.run_until_complete(asyncio.wait(tasks, timeout=timeout_s))

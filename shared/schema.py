@@ -89,6 +89,8 @@ class SamplingParams(Struct, frozen=True):
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
 
 class GenerateRequest(Struct, frozen=True):

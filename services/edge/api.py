@@ -114,8 +114,8 @@ class EdgeApi:
             raise errors.model_not_found(model)
         return info, await self.mesh.tokenizer(info)
 
-    def _engine_sampling(self, sampling: Sampling, num_prompt: int, max_len: int, tokenizer: ModelTokenizer,
-                         param: str) -> SamplingParams:
+    def _engine_sampling(self, sampling: Sampling, num_prompt: int, max_len: int,
+                         tokenizer: ModelTokenizer) -> SamplingParams:
         if sampling.max_tokens is None:
             if num_prompt >= max_len:
                 raise errors.context_length_exceeded(max_len, num_prompt, None)
@@ -126,13 +126,14 @@ class EdgeApi:
             max_tokens = sampling.max_tokens
         return SamplingParams(
             max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
-            stop_token_ids=tokenizer.stop_token_ids,
+            stop_token_ids=tokenizer.stop_token_ids, presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
         )
 
     async def _serve(self, request: Request, kind: str, model: str, prompt_ids: list[int], sampling: Sampling,
                      tokenizer: ModelTokenizer, max_len: int, stream: bool, include_usage: bool) -> Response:
         try:
-            params = self._engine_sampling(sampling, len(prompt_ids), max_len, tokenizer, kind)
+            params = self._engine_sampling(sampling, len(prompt_ids), max_len, tokenizer)
         except errors.ApiError as exc:
             if kind == "text":
                 exc.param = "prompt"

@@ -88,6 +88,7 @@ class VllmEngine(Engine):
         return VllmSampling(
             max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             seed=sampling.seed, stop_token_ids=list(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
+            presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
             detokenize=False, output_kind=RequestOutputKind.DELTA,
         )
 
