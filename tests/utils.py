@@ -3,19 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from typing import Awaitable, Callable
 
-
-def wait_for_port(port: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return True
-        time.sleep(0.05)
-    return False
+from infermesh.processes import wait_for_port  # noqa: F401  (re-exported for tests)
 
 
 async def eventually(check: Callable[[], bool | Awaitable[bool]], timeout_s: float, interval_s: float = 0.05) -> float:

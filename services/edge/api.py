@@ -170,11 +170,12 @@ class EdgeApi:
             while not isinstance(item, Finished):
                 parts.append(item)
                 item = await events.__anext__()
+            _record(span, item)
         except StreamBroken as exc:
             raise errors.engine_failed(f"The engine failed mid-generation: {exc}") from exc
         finally:
+            await events.aclose()
             span.end()
-        _record(span, item)
         return Response(_json.encode(shape.full("".join(parts), item)), media_type="application/json",
                         status_code=200)
 

@@ -160,11 +160,10 @@ class EdgeMesh:
                     reason = "stop" if hit else message.finish_reason
                     yield Finished(reason, len(prompt_token_ids), message.num_cached_tokens, num_output, worker_id)
                     return
-                else:
-                    finished = True
+                else:  # finished stays False: the abort is a no-op if the worker ended it, vital on a timeout
                     self._raise_stream_error(message, num_output)
         finally:
-            if not finished:  # client went away or we failed: stop the engine; never await in a cancelled scope
+            if not finished:  # client left, or we failed: stop the engine; never await in a cancelled scope
                 self._spawn(self._abort(worker_id, request_id))
             self.receiver.close(request_id)
 

@@ -51,6 +51,9 @@ class ModelTokenizer:
             is_gemma = "<start_of_turn>" in vocab and "<end_of_turn>" in vocab
             self.chat_template = GEMMA_CHAT_TEMPLATE if is_gemma else DEFAULT_CHAT_TEMPLATE
         self.stop_token_ids = sorted(self._stop_token_ids(vocab))
+        fast = getattr(self.hf, "_tokenizer", None)
+        same_text = not getattr(self.hf, "clean_up_tokenization_spaces", False)
+        self._fast_decode = fast.decode if fast is not None and same_text else None
 
     def _stop_token_ids(self, vocab: dict[str, int]) -> set[int]:
         ids: set[int] = {vocab[t] for t in ("<end_of_turn>", "<|im_end|>", "<|eot_id|>") if t in vocab}
@@ -78,4 +81,6 @@ class ModelTokenizer:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Any, skip_special_tokens: bool = True) -> str:
+        if self._fast_decode is not None:  # per token on the hot path: skip transformers' wrapper
+            return self._fast_decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)

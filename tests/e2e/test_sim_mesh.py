@@ -146,3 +146,21 @@ async def test_one_trace_spans_edge_router_and_worker(client, span_exporter):
     edge, router, worker = by_name["POST /v1/chat/completions"], by_name["router.route"], by_name["worker.generate"]
     assert edge.context.trace_id == router.context.trace_id == worker.context.trace_id
     assert router.parent.span_id == edge.context.span_id and worker.parent.span_id == edge.context.span_id
+
+
+async def test_first_token_timeout_is_a_503_and_aborts_the_engine(nats_url, namespace, tiny_model):
+    mesh = LocalMesh(nats_url, namespace, dev_key=KEY)
+    await mesh.start_router()
+    worker = await mesh.start_worker(worker_id="slow", engine="sim", model="tiny", model_path=str(tiny_model),
+                                     sim_ttft_ms=3000)
+    await mesh.start_edge(first_token_timeout_s=0.3)
+    try:
+        await eventually(mesh.edge.mesh.is_ready, 10)
+        client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key=KEY, max_retries=0)
+        with pytest.raises(openai.InternalServerError) as exc:
+            await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5)
+        assert exc.value.status_code == 503 and exc.value.code == "timeout"
+        await eventually(lambda: worker.load_snapshot().num_running == 0, 1.0, 0.02)
+        assert worker.load_snapshot().num_aborted_total == 1
+    finally:
+        await mesh.stop()

@@ -13,7 +13,7 @@ import asyncio
 import math
 import random
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from services.worker.engines.base import Engine, EngineLoad, EngineOutput, EngineSpec
@@ -40,7 +40,17 @@ class SimEngineConfig:
 class _Running:
     num_prompt_tokens: int
     num_output_tokens: int = 0
-    aborted: bool = False
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def sleep(self, seconds: float) -> bool:
+        """Sleep unless aborted first; True when the request was aborted."""
+        if seconds <= 0 or self.aborted.is_set():
+            return self.aborted.is_set()
+        try:
+            await asyncio.wait_for(self.aborted.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+        return self.aborted.is_set()
 
 
 def sim_token_ids(prompt_token_ids: list[int], seed: int | None, count: int) -> list[int]:
@@ -63,7 +73,7 @@ class SimEngine(Engine):
 
     async def stop(self) -> None:
         for state in self._running.values():
-            state.aborted = True
+            state.aborted.set()
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
@@ -75,9 +85,11 @@ class SimEngine(Engine):
         stop_ids = set() if sampling.ignore_eos else set(sampling.stop_token_ids)
         tokens = sim_token_ids(prompt_token_ids, sampling.seed, sampling.max_tokens)
         try:
-            await asyncio.sleep((c.ttft_ms + c.prefill_us_per_token * num_prompt / 1000.0) / 1000.0)
+            if await state.sleep((c.ttft_ms + c.prefill_us_per_token * num_prompt / 1000.0) / 1000.0):
+                yield EngineOutput([], "abort", num_prompt)
+                return
             for i, token in enumerate(tokens):
-                if state.aborted:
+                if state.aborted.is_set():
                     yield EngineOutput([], "abort", num_prompt)
                     return
                 state.num_output_tokens = i + 1
@@ -86,8 +98,9 @@ class SimEngine(Engine):
                     return
                 last = i + 1 == len(tokens)
                 yield EngineOutput([token], "length" if last else None, num_prompt)
-                if not last:
-                    await asyncio.sleep(c.itl_ms / 1000.0)
+                if not last and await state.sleep(c.itl_ms / 1000.0):
+                    yield EngineOutput([], "abort", num_prompt)
+                    return
             if not tokens:
                 yield EngineOutput([], "length", num_prompt)
         finally:
@@ -96,7 +109,7 @@ class SimEngine(Engine):
     async def abort(self, request_id: str) -> None:
         state = self._running.get(request_id)
         if state is not None:
-            state.aborted = True
+            state.aborted.set()
 
     def load(self) -> EngineLoad:
         bs = self.config.block_size
