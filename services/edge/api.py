@@ -1,8 +1,8 @@
 """OpenAI endpoints on top of EdgeMesh: auth, validation, templating, response shapes, SSE.
 
-Streaming responses are returned only after the first token (or the first error)
-arrived, so errors before any token get a proper HTTP status, and a client that
-disconnects mid-stream cancels the body iterator, which aborts the engine request.
+Streaming responses start only after the first token (or the first error)
+arrived, so errors before any token get a proper HTTP status. A client that
+disconnects cancels the request (see http.py), which aborts the engine request.
 """
 
 from __future__ import annotations
@@ -13,13 +13,12 @@ import uuid
 from typing import Any, AsyncIterator
 
 import msgspec
-from litestar import Request, Response
-from litestar.response import Stream
 from opentelemetry import trace
 from opentelemetry.propagate import extract
 
 from services.edge import errors
 from services.edge.config import EdgeConfig
+from services.edge.http import HttpRequest, JsonReply, Reply, SseReply
 from services.edge.mesh import EdgeMesh, Finished, StreamBroken
 from services.edge.protocol import (
     ChatCompletionRequest, CompletionRequest, InvalidRequest, Sampling, parse_body, validate_chat,
@@ -31,7 +30,6 @@ from shared.telemetry import tracer
 
 _tracer = tracer("infermesh.edge")
 _json = msgspec.json.Encoder()
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _usage(done: Finished) -> dict[str, Any]:
@@ -54,10 +52,9 @@ class EdgeApi:
         self._keys = {config.dev_key: "default"} if config.dev_key else {}
 
     # ------------------------------------------------------------ auth
-    def authenticate(self, request: Request) -> str:
-        """The team the bearer key belongs to."""
-        header = request.headers.get("authorization", "")
-        scheme, _, key = header.partition(" ")
+    def authenticate(self, authorization: str | None) -> str:
+        """The team the bearer key (``Authorization`` header value) belongs to."""
+        scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() == "bearer":
             for known, team in self._keys.items():
                 if hmac.compare_digest(key.strip().encode(), known.encode()):
@@ -65,8 +62,8 @@ class EdgeApi:
         raise errors.invalid_api_key()
 
     # ------------------------------------------------------------ endpoints
-    def models(self, request: Request) -> dict[str, Any]:
-        self.authenticate(request)
+    def models(self, authorization: str | None) -> dict[str, Any]:
+        self.authenticate(authorization)
         data = [
             {"id": name, "object": "model", "created": int(info.started_at), "owned_by": "infermesh",
              "max_model_len": info.max_model_len}
@@ -74,9 +71,9 @@ class EdgeApi:
         ]
         return {"object": "list", "data": data}
 
-    async def chat_completions(self, request: Request) -> Response:
-        self.authenticate(request)
-        body = self._parse(await request.body(), ChatCompletionRequest)
+    async def chat_completions(self, request: HttpRequest) -> Reply:
+        self.authenticate(request.headers.get("authorization"))
+        body = self._parse(request.body, ChatCompletionRequest)
         try:
             messages, sampling = validate_chat(body)
         except InvalidRequest as exc:
@@ -86,9 +83,9 @@ class EdgeApi:
         return await self._serve(request, "chat", body.model, prompt_ids, sampling, tokenizer, info.max_model_len,
                                  body.stream, bool(body.stream_options and body.stream_options.include_usage))
 
-    async def completions(self, request: Request) -> Response:
-        self.authenticate(request)
-        body = self._parse(await request.body(), CompletionRequest)
+    async def completions(self, request: HttpRequest) -> Reply:
+        self.authenticate(request.headers.get("authorization"))
+        body = self._parse(request.body, CompletionRequest)
         try:
             prompt, sampling = validate_completion(body)
         except InvalidRequest as exc:
@@ -130,8 +127,8 @@ class EdgeApi:
             frequency_penalty=sampling.frequency_penalty,
         )
 
-    async def _serve(self, request: Request, kind: str, model: str, prompt_ids: list[int], sampling: Sampling,
-                     tokenizer: ModelTokenizer, max_len: int, stream: bool, include_usage: bool) -> Response:
+    async def _serve(self, request: HttpRequest, kind: str, model: str, prompt_ids: list[int], sampling: Sampling,
+                     tokenizer: ModelTokenizer, max_len: int, stream: bool, include_usage: bool) -> Reply:
         try:
             params = self._engine_sampling(sampling, len(prompt_ids), max_len, tokenizer)
         except errors.ApiError as exc:
@@ -141,7 +138,7 @@ class EdgeApi:
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         request_id = uuid.uuid4().hex
         response_id = f"{prefix}-{request_id}"
-        span = _tracer.start_span(f"POST {request.url.path}", context=extract(dict(request.headers)),
+        span = _tracer.start_span(f"POST {request.path}", context=extract(request.headers),
                                   kind=trace.SpanKind.SERVER)
         span.set_attributes({"infermesh.request_id": request_id, "gen_ai.request.model": model,
                              "infermesh.num_prompt_tokens": len(prompt_ids), "infermesh.stream": stream})
@@ -158,12 +155,11 @@ class EdgeApi:
             raise
         shape = _Shape(kind, response_id, model)
         if stream:
-            return Stream(self._sse_body(first, events, shape, include_usage, span),
-                          media_type="text/event-stream", status_code=200, headers=SSE_HEADERS)
+            return SseReply(self._sse_body(first, events, shape, include_usage, span))
         return await self._complete(first, events, shape, span)
 
     async def _complete(self, first: str | Finished, events: AsyncIterator[str | Finished], shape: "_Shape",
-                        span: trace.Span) -> Response:
+                        span: trace.Span) -> JsonReply:
         parts: list[str] = []
         item = first
         try:
@@ -176,8 +172,7 @@ class EdgeApi:
         finally:
             await events.aclose()
             span.end()
-        return Response(_json.encode(shape.full("".join(parts), item)), media_type="application/json",
-                        status_code=200)
+        return JsonReply(200, _json.encode(shape.full("".join(parts), item)))
 
     async def _sse_body(self, first: str | Finished, events: AsyncIterator[str | Finished], shape: "_Shape",
                         include_usage: bool, span: trace.Span) -> AsyncIterator[bytes]:

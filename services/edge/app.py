@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, Request, Response, get
 from litestar.exceptions import HTTPException
+from litestar.handlers import asgi
+from litestar.types import Receive, Scope, Send
 
-from services.edge import errors
+from services.edge import errors, http
 from services.edge.api import EdgeApi
 
 log = logging.getLogger("infermesh.edge")
@@ -37,15 +39,16 @@ def _on_unexpected(_request: Request, exc: Exception) -> Response[bytes]:
 def create_app(api: EdgeApi) -> Litestar:
     @get("/v1/models", sync_to_thread=False)
     def list_models(request: Request) -> dict[str, Any]:
-        return api.models(request)
+        return api.models(request.headers.get("authorization"))
 
-    @post("/v1/chat/completions", status_code=200)
-    async def chat_completions(request: Request) -> Response:
-        return await api.chat_completions(request)
+    # The two hot endpoints are raw ASGI inside Litestar's router (see http.py for why).
+    @asgi("/v1/chat/completions", copy_scope=False)
+    async def chat_completions(scope: Scope, receive: Receive, send: Send) -> None:
+        await http.serve(scope, receive, send, api.chat_completions)  # type: ignore[arg-type]
 
-    @post("/v1/completions", status_code=200)
-    async def completions(request: Request) -> Response:
-        return await api.completions(request)
+    @asgi("/v1/completions", copy_scope=False)
+    async def completions(scope: Scope, receive: Receive, send: Send) -> None:
+        await http.serve(scope, receive, send, api.completions)  # type: ignore[arg-type]
 
     @get("/health", sync_to_thread=False)
     def health() -> dict[str, str]:

@@ -137,6 +137,27 @@ async def test_client_disconnect_aborts_engine_request(mesh, namespace):
     assert sum(s.num_aborted_total for s in loads.values()) == 1, (elapsed, loads)
 
 
+async def test_client_disconnect_aborts_a_non_streaming_request_too(mesh):
+    for worker in mesh.workers:
+        worker.engine.config.itl_ms = 20
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 200}
+    async with httpx.AsyncClient(base_url=mesh.base_url, headers={"Authorization": f"Bearer {KEY}"}) as http:
+        request = asyncio.create_task(http.post("/chat/completions", json=body))
+        await eventually(lambda: sum(w.load_snapshot().num_running for w in mesh.workers) == 1, 2, 0.01)
+        request.cancel()  # closes the connection mid-request
+        await asyncio.gather(request, return_exceptions=True)
+    await eventually(lambda: sum(w.load_snapshot().num_running for w in mesh.workers) == 0, 1.0, 0.02)
+    assert sum(w.load_snapshot().num_aborted_total for w in mesh.workers) == 1
+
+
+async def test_wrong_method_and_unknown_route_are_openai_shaped(mesh):
+    async with httpx.AsyncClient(base_url=mesh.base_url, headers={"Authorization": f"Bearer {KEY}"}) as http:
+        wrong = await http.get("/chat/completions")
+        missing = await http.post("/embeddings", json={})
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"
+
+
 async def test_one_trace_spans_edge_router_and_worker(client, span_exporter):
     span_exporter.clear()
     await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4)
