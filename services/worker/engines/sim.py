@@ -13,7 +13,7 @@ import asyncio
 import math
 import random
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from services.worker.engines.base import Engine, EngineLoad, EngineOutput, EngineSpec
@@ -40,17 +40,32 @@ class SimEngineConfig:
 class _Running:
     num_prompt_tokens: int
     num_output_tokens: int = 0
-    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    aborted: bool = False
+    _wake: asyncio.Future[None] | None = None
 
     async def sleep(self, seconds: float) -> bool:
-        """Sleep unless aborted first; True when the request was aborted."""
-        if seconds <= 0 or self.aborted.is_set():
-            return self.aborted.is_set()
+        """Sleep unless aborted first (one timer, no extra task per token); True when aborted."""
+        if self.aborted or seconds <= 0:
+            return self.aborted
+        loop = asyncio.get_running_loop()
+        self._wake = loop.create_future()
+        timer = loop.call_later(seconds, _wake_up, self._wake)
         try:
-            await asyncio.wait_for(self.aborted.wait(), seconds)
-        except asyncio.TimeoutError:
-            pass
-        return self.aborted.is_set()
+            await self._wake
+        finally:
+            timer.cancel()
+            self._wake = None
+        return self.aborted
+
+    def abort(self) -> None:
+        self.aborted = True
+        if self._wake is not None:
+            _wake_up(self._wake)
+
+
+def _wake_up(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def sim_token_ids(prompt_token_ids: list[int], seed: int | None, count: int) -> list[int]:
@@ -73,7 +88,7 @@ class SimEngine(Engine):
 
     async def stop(self) -> None:
         for state in self._running.values():
-            state.aborted.set()
+            state.abort()
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
@@ -89,7 +104,7 @@ class SimEngine(Engine):
                 yield EngineOutput([], "abort", num_prompt)
                 return
             for i, token in enumerate(tokens):
-                if state.aborted.is_set():
+                if state.aborted:
                     yield EngineOutput([], "abort", num_prompt)
                     return
                 state.num_output_tokens = i + 1
@@ -109,7 +124,7 @@ class SimEngine(Engine):
     async def abort(self, request_id: str) -> None:
         state = self._running.get(request_id)
         if state is not None:
-            state.aborted.set()
+            state.abort()
 
     def load(self) -> EngineLoad:
         bs = self.config.block_size
