@@ -38,17 +38,17 @@ PROMPT = "Summarize what a KV-cache-aware router does for agent workloads in one
 
 async def direct_ttft(bus: Bus, receiver: StreamReceiver, worker_id: str, prompt_ids: list[int]) -> float:
     request_id = uuid.uuid4().hex
-    stream = receiver.open(request_id, worker_id)
+    stream = receiver.open(request_id, worker_id, 10.0, 10.0)
     start = time.perf_counter()
     await bus.nc.publish(bus.subjects.worker_generate(worker_id),
                          schema.encode(GenerateRequest(request_id, "bench", prompt_ids,
                                                        SamplingParams(max_tokens=4, ignore_eos=True))),
                          reply=receiver.subject(request_id))
-    first = await stream.next(10)
+    first = await stream.next()
     ttft = time.perf_counter() - start
     assert isinstance(first, TokenChunk), first
     while not stream.done:
-        await stream.next(10)
+        await stream.next()
     receiver.close(request_id)
     return ttft
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Awaitable, Callable, TypeVar
 
 import nats
@@ -137,13 +138,21 @@ class TokenStreamSender:
 
 
 class TokenStream:
-    """Edge side of one token stream: an async iterator of StreamMessages ending at the terminal one."""
+    """Edge side of one token stream: StreamMessages up to and including the terminal one.
 
-    def __init__(self, request_id: str, worker_id: str) -> None:
+    Timeouts are deadlines checked by the receiver's sweeper, not a timer per
+    message: ``first_timeout_s`` until the first message, then ``idle_timeout_s``
+    between messages; a lapse ends the stream with a ``timeout`` StreamError.
+    """
+
+    def __init__(self, request_id: str, worker_id: str, first_timeout_s: float, idle_timeout_s: float) -> None:
         self.request_id = request_id
         self.worker_id = worker_id
         self._queue: asyncio.Queue[StreamMessage] = asyncio.Queue()
         self._expected_seq = 1
+        self._idle_timeout_s = idle_timeout_s
+        self._timeout_s = first_timeout_s
+        self.deadline = time.monotonic() + first_timeout_s
         self.done = False
 
     def _deliver(self, message: StreamMessage) -> None:
@@ -155,51 +164,63 @@ class TokenStream:
                 f"token stream from {message.source_id} lost messages {self._expected_seq}..{message.seq - 1}",
             )
         self._expected_seq = message.seq + 1
+        self._timeout_s = self._idle_timeout_s
+        self.deadline = time.monotonic() + self._idle_timeout_s
         self._queue.put_nowait(message)
 
     def fail(self, code: str, message: str) -> None:
         """End the stream with an error (worker vanished, no responder, timeout)."""
         if not self.done:
+            self.deadline = float("inf")
             self._queue.put_nowait(StreamError(self.worker_id, 0, schema.now(), self.request_id, code, message))
 
-    async def next(self, timeout: float | None = None) -> StreamMessage:
-        try:
-            if not self._queue.empty():
-                message = self._queue.get_nowait()
-            else:
-                async with asyncio.timeout(timeout):  # no extra task per message, unlike wait_for
-                    message = await self._queue.get()
-        except TimeoutError:
-            message = StreamError(self.worker_id, 0, schema.now(), self.request_id, "timeout",
-                                  f"no message from worker {self.worker_id} for {timeout}s")
+    def expire(self, now: float) -> None:
+        if not self.done and now > self.deadline:
+            self.fail("timeout", f"no message from worker {self.worker_id} for {self._timeout_s}s")
+
+    async def next(self) -> StreamMessage:
+        message = self._queue.get_nowait() if not self._queue.empty() else await self._queue.get()
         if isinstance(message, (StreamEnd, StreamError)):
             self.done = True
         return message
 
 
 class StreamReceiver:
-    """One wildcard subscription that feeds every open TokenStream of an edge."""
+    """One wildcard subscription that feeds every open TokenStream of an edge, and expires idle ones."""
 
-    def __init__(self, bus: Bus, edge_id: str) -> None:
+    def __init__(self, bus: Bus, edge_id: str, sweep_s: float = 0.05) -> None:
         self._bus = bus
         self._prefix = bus.subjects.stream_prefix(edge_id)
         self._streams: dict[str, TokenStream] = {}
         self._sub: Any = None
+        self._sweep_s = sweep_s
+        self._sweeper: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self._sub = await self._bus.nc.subscribe(self._prefix + ".*", cb=self._on_message)
+        self._sweeper = asyncio.create_task(self._sweep(), name="stream-timeouts")
 
     async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self._sub is not None:
             await self._sub.unsubscribe()
         for stream in list(self._streams.values()):
             stream.fail("shutdown", "edge is shutting down")
 
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self._sweep_s)
+            now = time.monotonic()
+            for stream in list(self._streams.values()):
+                stream.expire(now)
+
     def subject(self, request_id: str) -> str:
         return f"{self._prefix}.{request_id}"
 
-    def open(self, request_id: str, worker_id: str) -> TokenStream:
-        stream = TokenStream(request_id, worker_id)
+    def open(self, request_id: str, worker_id: str, first_timeout_s: float = 300.0,
+             idle_timeout_s: float = 60.0) -> TokenStream:
+        stream = TokenStream(request_id, worker_id, first_timeout_s, idle_timeout_s)
         self._streams[request_id] = stream
         return stream
 

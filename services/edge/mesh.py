@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -125,7 +126,8 @@ class EdgeMesh:
     ) -> AsyncIterator[str | Finished]:
         """Yield text deltas, then one Finished. Raises ApiError before the first token, StreamBroken after."""
         worker_id = await self.route(request_id, model, len(prompt_token_ids))
-        stream = self.receiver.open(request_id, worker_id)
+        stream = self.receiver.open(request_id, worker_id, self.config.first_token_timeout_s,
+                                    self.config.inter_token_timeout_s)
         finished = False
         try:
             await self.bus.publish(
@@ -136,10 +138,8 @@ class EdgeMesh:
             detokenizer = IncrementalDetokenizer(tokenizer)
             stopper = StopStringMatcher(stop)
             num_output = 0
-            timeout = self.config.first_token_timeout_s
             while True:
-                message = await stream.next(timeout)
-                timeout = self.config.inter_token_timeout_s
+                message = await stream.next()
                 if isinstance(message, TokenChunk):
                     num_output += len(message.token_ids)
                     text, hit = stopper.feed(detokenizer.push(message.token_ids))
@@ -186,8 +186,9 @@ class EdgeMesh:
     async def _abort_and_drain(self, stream: TokenStream) -> StreamEnd | None:
         """Abort after a stop string; wait briefly for the worker's end message (cached-token count)."""
         await self._abort(stream.worker_id, stream.request_id)
+        stream.deadline = min(stream.deadline, time.monotonic() + self.config.abort_drain_timeout_s)
         while True:
-            message = await stream.next(self.config.abort_drain_timeout_s)
+            message = await stream.next()
             if isinstance(message, StreamEnd):
                 return message
             if isinstance(message, StreamError):

@@ -50,7 +50,7 @@ async def test_token_stream_delivers_in_order_and_ends(bus):
     for i in range(5):
         await sender.tokens([i, i + 100])
     await sender.end("length", 7, 0, 10)
-    got = [await stream.next(2) for _ in range(6)]
+    got = [await asyncio.wait_for(stream.next(), 2) for _ in range(6)]
     assert [m.token_ids for m in got[:5]] == [[i, i + 100] for i in range(5)]
     assert isinstance(got[5], StreamEnd) and got[5].num_output_tokens == 10 and stream.done
     await receiver.stop()
@@ -63,8 +63,8 @@ async def test_lost_message_is_reported_as_a_gap(bus):
     subject = receiver.subject("r2")
     await bus.nc.publish(subject, schema.encode(TokenChunk("w1", 1, 0.0, "r2", [1])))
     await bus.nc.publish(subject, schema.encode(TokenChunk("w1", 3, 0.0, "r2", [3])))
-    assert isinstance(await stream.next(2), TokenChunk)
-    gap = await stream.next(2)
+    assert isinstance(await asyncio.wait_for(stream.next(), 2), TokenChunk)
+    gap = await asyncio.wait_for(stream.next(), 2)
     assert isinstance(gap, StreamError) and gap.code == "stream_gap"
     await receiver.stop()
 
@@ -74,7 +74,7 @@ async def test_generate_to_a_missing_worker_fails_the_stream(bus):
     await receiver.start()
     stream = receiver.open("r3", "ghost")
     await bus.nc.publish(bus.subjects.worker_generate("ghost"), b"x", reply=receiver.subject("r3"))
-    message = await stream.next(2)
+    message = await asyncio.wait_for(stream.next(), 2)
     assert isinstance(message, StreamError) and message.code == "worker_unavailable"
     await receiver.stop()
 
@@ -84,8 +84,24 @@ async def test_failing_a_worker_ends_its_open_streams_only(bus):
     await receiver.start()
     doomed, other = receiver.open("a", "w-dead"), receiver.open("b", "w-live")
     assert receiver.fail_worker("w-dead", "worker_unavailable", "gone") == 1
-    message = await doomed.next(1)
+    message = await asyncio.wait_for(doomed.next(), 1)
     assert isinstance(message, StreamError) and message.code == "worker_unavailable"
-    timeout = await other.next(0.1)
-    assert isinstance(timeout, StreamError) and timeout.code == "timeout"
+    assert other._queue.empty() and not other.done
+    await receiver.stop()
+
+
+async def test_a_silent_stream_times_out_first_then_between_messages(bus):
+    receiver = StreamReceiver(bus, "edge5", sweep_s=0.01)
+    await receiver.start()
+    silent = receiver.open("s1", "w1", first_timeout_s=0.2, idle_timeout_s=5)
+    started = asyncio.get_running_loop().time()
+    message = await asyncio.wait_for(silent.next(), 2)
+    assert isinstance(message, StreamError) and message.code == "timeout"
+    assert 0.2 <= asyncio.get_running_loop().time() - started < 1.0
+    stalled = receiver.open("s2", "w1", first_timeout_s=5, idle_timeout_s=0.2)
+    sender = TokenStreamSender(bus, receiver.subject("s2"), "w1", "s2")
+    await sender.tokens([1])
+    assert isinstance(await asyncio.wait_for(stalled.next(), 2), TokenChunk)
+    message = await asyncio.wait_for(stalled.next(), 2)
+    assert isinstance(message, StreamError) and message.code == "timeout"
     await receiver.stop()
