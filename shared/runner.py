@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -39,6 +40,10 @@ async def serve(name: str, config: BusConfig, build: Callable[[Bus], Service | A
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await service.start()  # type: ignore[union-attr]
+    # Everything allocated so far (modules, tokenizers, engine state) lives for the whole process:
+    # keep it out of the collector's scans so per-request garbage collection stays short.
+    gc.collect()
+    gc.freeze()
     try:
         await stop.wait()
     finally:
