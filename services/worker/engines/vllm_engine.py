@@ -7,7 +7,6 @@ runs eager (compiled mode takes minutes to start) and can be pinned to one core.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import os
