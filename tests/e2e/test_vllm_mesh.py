@@ -78,6 +78,12 @@ async def test_async_sdk_and_completions(mesh, tokenizer):
     chat = await asyncio.gather(*[client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8,
                                                                  temperature=0) for _ in range(3)])
     assert len({c.choices[0].message.content for c in chat}) == 1
+    chat_stream = await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0,
+                                                       stream=True, stream_options={"include_usage": True})
+    chunks = [c async for c in chat_stream]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat[0].choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == chat[0].usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == len(tokenizer.apply_chat_template(MESSAGES))
 
 
 def test_repeated_long_prefix_reports_cached_tokens(mesh):
