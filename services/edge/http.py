@@ -46,13 +46,17 @@ class SseReply:
 Reply = JsonReply | SseReply
 
 
+class ClientGone(Exception):
+    """The client disconnected before its request was read."""
+
+
 async def read_request(scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]]) -> HttpRequest:
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
     parts = []
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise asyncio.CancelledError("client disconnected before sending the body")
+            raise ClientGone()
         parts.append(message.get("body", b""))
         if not message.get("more_body"):
             break
@@ -83,7 +87,7 @@ async def serve(scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str,
     assert task is not None
     try:
         request = await read_request(scope, receive)
-    except asyncio.CancelledError:
+    except ClientGone:
         return
     gone = asyncio.Event()
 
