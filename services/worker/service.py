@@ -102,12 +102,10 @@ class WorkerService:
             try:
                 async for out in self.engine.generate(request.request_id, request.prompt_token_ids, request.sampling):
                     num_output += len(out.token_ids)
-                    if out.finish_reason is None:
-                        if out.token_ids:
-                            await stream.tokens(out.token_ids)
-                        continue
                     if out.token_ids:
                         await stream.tokens(out.token_ids)
+                    if out.finish_reason is None:
+                        continue
                     await stream.end(out.finish_reason, out.num_prompt_tokens or len(request.prompt_token_ids),
                                      out.num_cached_tokens, num_output)
                     span.set_attributes({"infermesh.finish_reason": out.finish_reason,
