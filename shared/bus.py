@@ -87,13 +87,15 @@ class Bus:
             except Exception:  # a malformed message must not kill the subscription
                 log.warning("dropping undecodable message on %s", raw.subject)
                 return
-            token = otel_context.attach(extract_context(raw.headers))
+            carried = extract_context(raw.headers)
+            token = otel_context.attach(carried) if carried is not None else None
             try:
                 await handler(message, raw)
             except Exception:
                 log.exception("handler for %s failed", raw.subject)
             finally:
-                otel_context.detach(token)
+                if token is not None:
+                    otel_context.detach(token)
 
         return await self.nc.subscribe(subject, queue=queue, cb=on_message)
 

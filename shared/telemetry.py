@@ -36,13 +36,22 @@ def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(name)
 
 
-def inject_headers(headers: dict[str, str] | None = None) -> dict[str, str]:
-    """Return NATS headers carrying the current span's W3C trace context (traceparent)."""
-    carrier: dict[str, str] = {} if headers is None else headers
+def tracing_enabled() -> bool:
+    """False until a tracer provider is installed: the hot paths then skip spans and propagation."""
+    return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+
+
+def inject_headers() -> dict[str, str] | None:
+    """NATS headers carrying the current span's W3C trace context, or None when not tracing."""
+    if not tracing_enabled():
+        return None
+    carrier: dict[str, str] = {}
     inject(carrier)
-    return carrier
+    return carrier or None
 
 
-def extract_context(headers: Mapping[str, str] | None) -> context.Context:
-    """The trace context a message's NATS headers carry (an empty context when none)."""
-    return extract(dict(headers or {}))
+def extract_context(headers: Mapping[str, str] | None) -> context.Context | None:
+    """The trace context a message's headers carry; None when they carry none."""
+    if not headers or "traceparent" not in headers:
+        return None
+    return extract(dict(headers))

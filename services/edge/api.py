@@ -8,6 +8,7 @@ disconnects cancels the request (see http.py), which aborts the engine request.
 from __future__ import annotations
 
 import hmac
+from contextlib import nullcontext
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -26,7 +27,7 @@ from services.edge.protocol import (
 )
 from services.edge.tokenizer import ModelTokenizer
 from shared.schema import SamplingParams
-from shared.telemetry import tracer
+from shared.telemetry import tracer, tracing_enabled
 
 _tracer = tracer("infermesh.edge")
 _json = msgspec.json.Encoder()
@@ -138,13 +139,15 @@ class EdgeApi:
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         request_id = uuid.uuid4().hex
         response_id = f"{prefix}-{request_id}"
-        span = _tracer.start_span(f"POST {request.path}", context=extract(request.headers),
-                                  kind=trace.SpanKind.SERVER)
-        span.set_attributes({"infermesh.request_id": request_id, "gen_ai.request.model": model,
-                             "infermesh.num_prompt_tokens": len(prompt_ids), "infermesh.stream": stream})
+        span = trace.INVALID_SPAN  # a no-op span unless a tracer provider is installed
+        if tracing_enabled():
+            span = _tracer.start_span(f"POST {request.path}", context=extract(request.headers),
+                                      kind=trace.SpanKind.SERVER)
+            span.set_attributes({"infermesh.request_id": request_id, "gen_ai.request.model": model,
+                                 "infermesh.num_prompt_tokens": len(prompt_ids), "infermesh.stream": stream})
         events = self.mesh.generate(request_id, model, prompt_ids, params, tokenizer, sampling.stop)
         try:
-            with trace.use_span(span, end_on_exit=False):
+            with trace.use_span(span, end_on_exit=False) if span.is_recording() else nullcontext():
                 first = await events.__anext__()
         except errors.ApiError as exc:
             span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))

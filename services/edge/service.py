@@ -35,6 +35,7 @@ class EdgeService:
         server_config = uvicorn.Config(
             self.app, host=self.config.host, port=self.config.http_port, log_level="warning",
             access_log=False, lifespan="off", loop="none", http="httptools", timeout_graceful_shutdown=2,
+            proxy_headers=False,
         )
         self._server = uvicorn.Server(server_config)
         self._task = asyncio.create_task(self._server.serve(), name="http")
