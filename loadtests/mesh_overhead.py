@@ -5,7 +5,9 @@ direct, edge, ...) so machine noise lands on both. "Direct" publishes a
 GenerateRequest to the worker and waits for the first TokenChunk; "edge" sends an
 OpenAI streaming chat request over HTTP (auth, validation, chat template,
 tokenization, route request, worker, detokenization, SSE) and waits for the first
-content chunk. Overhead per concurrency = median over rounds of (edge pXX - direct pXX).
+content chunk. Both clients are lean (nats-py on one side, a wrk-like keep-alive
+HTTP/1.1 client on the other, loadtests/sse_client.py), so what is measured is the
+mesh, not the load generator's HTTP parsing. Overhead per concurrency = median over rounds of (edge pXX - direct pXX).
 
     python -m loadtests.mesh_overhead --concurrency 1 16 64 --rounds 3 --out docs/results/mesh_overhead
 """
@@ -24,9 +26,8 @@ import time
 import uuid
 from pathlib import Path
 
-import aiohttp
-
 from infermesh.processes import ProcessGroup, free_port, wait_for_port
+from loadtests.sse_client import LeanSseClient
 from loadtests.stats import summarize_ms
 from shared import schema
 from shared.bus import Bus, StreamReceiver
@@ -53,20 +54,9 @@ async def direct_ttft(bus: Bus, receiver: StreamReceiver, worker_id: str, prompt
     return ttft
 
 
-async def edge_ttft(http: aiohttp.ClientSession, url: str) -> float:
+async def edge_ttft(client: LeanSseClient) -> float:
     body = {"model": "bench", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4, "stream": True}
-    start = time.perf_counter()
-    ttft = None
-    received = []
-    async with http.post(url, json=body, headers={"Authorization": f"Bearer {KEY}"}) as response:
-        assert response.status == 200, await response.text()
-        async with asyncio.timeout(10):
-            async for line in response.content:
-                received.append(line)
-                if ttft is None and b'"content":"' in line and b'"content":""' not in line:
-                    ttft = time.perf_counter() - start
-    assert ttft is not None, received
-    return ttft
+    return await client.ttft(body)
 
 
 def cpu_seconds(group: ProcessGroup) -> dict[str, float]:
@@ -118,40 +108,39 @@ async def run(args: argparse.Namespace) -> dict:
         from services.edge.tokenizer import ModelTokenizer
 
         prompt_ids = ModelTokenizer(str(tokenizer_dir)).apply_chat_template([{"role": "user", "content": PROMPT}])
-        url = f"http://127.0.0.1:{http_port}/v1/chat/completions"
-        connector = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(connector=connector) as http:
-            for _ in range(100):  # wait for readiness, then warm up both paths
-                try:
-                    await edge_ttft(http, url)
-                    break
-                except Exception:
-                    await asyncio.sleep(0.2)
-            await _load(lambda: direct_ttft(bus, receiver, "sim-0", prompt_ids), 4, 10)
-            await _load(lambda: edge_ttft(http, url), 4, 10)
-            for concurrency in args.concurrency:
-                per_stream = max(3, args.requests // concurrency)
-                rounds = []
-                for _ in range(args.rounds):
-                    direct = summarize_ms(await _load(
-                        lambda: direct_ttft(bus, receiver, "sim-0", prompt_ids), concurrency, per_stream))
-                    cpu_before = cpu_seconds(group)
-                    edge = summarize_ms(await _load(lambda: edge_ttft(http, url), concurrency, per_stream))
-                    cpu_after = cpu_seconds(group)
-                    cpu_ms = {name: (cpu_after[name] - cpu_before.get(name, 0.0)) * 1000 / (per_stream * concurrency)
-                              for name in cpu_after}
-                    rounds.append({"direct": direct, "edge": edge, "cpu_ms_per_edge_request": cpu_ms})
-                entry = {"concurrency": concurrency, "requests_per_round": per_stream * concurrency, "rounds": rounds}
-                for q in ("p50", "p99"):
-                    entry[f"overhead_{q}_ms"] = statistics.median(
-                        r["edge"][f"{q}_ms"] - r["direct"][f"{q}_ms"] for r in rounds)
-                    entry[f"direct_{q}_ms"] = statistics.median(r["direct"][f"{q}_ms"] for r in rounds)
-                    entry[f"edge_{q}_ms"] = statistics.median(r["edge"][f"{q}_ms"] for r in rounds)
-                entry["cpu_ms_per_edge_request"] = {
-                    name: statistics.median(r["cpu_ms_per_edge_request"][name] for r in rounds)
-                    for name in rounds[0]["cpu_ms_per_edge_request"]}
-                report["results"].append(entry)
-                print(json.dumps({k: v for k, v in entry.items() if k != "rounds"}), flush=True)
+        http = LeanSseClient("127.0.0.1", http_port, "/v1/chat/completions", KEY)
+        for _ in range(100):  # wait for readiness, then warm up both paths
+            try:
+                await edge_ttft(http)
+                break
+            except Exception:
+                await asyncio.sleep(0.2)
+        await _load(lambda: direct_ttft(bus, receiver, "sim-0", prompt_ids), 4, 10)
+        await _load(lambda: edge_ttft(http), 4, 10)
+        for concurrency in args.concurrency:
+            per_stream = max(3, args.requests // concurrency)
+            rounds = []
+            for _ in range(args.rounds):
+                direct = summarize_ms(await _load(
+                    lambda: direct_ttft(bus, receiver, "sim-0", prompt_ids), concurrency, per_stream))
+                cpu_before = cpu_seconds(group)
+                edge = summarize_ms(await _load(lambda: edge_ttft(http), concurrency, per_stream))
+                cpu_after = cpu_seconds(group)
+                cpu_ms = {name: (cpu_after[name] - cpu_before.get(name, 0.0)) * 1000 / (per_stream * concurrency)
+                          for name in cpu_after}
+                rounds.append({"direct": direct, "edge": edge, "cpu_ms_per_edge_request": cpu_ms})
+            entry = {"concurrency": concurrency, "requests_per_round": per_stream * concurrency, "rounds": rounds}
+            for q in ("p50", "p99"):
+                entry[f"overhead_{q}_ms"] = statistics.median(
+                    r["edge"][f"{q}_ms"] - r["direct"][f"{q}_ms"] for r in rounds)
+                entry[f"direct_{q}_ms"] = statistics.median(r["direct"][f"{q}_ms"] for r in rounds)
+                entry[f"edge_{q}_ms"] = statistics.median(r["edge"][f"{q}_ms"] for r in rounds)
+            entry["cpu_ms_per_edge_request"] = {
+                name: statistics.median(r["cpu_ms_per_edge_request"][name] for r in rounds)
+                for name in rounds[0]["cpu_ms_per_edge_request"]}
+            report["results"].append(entry)
+            print(json.dumps({k: v for k, v in entry.items() if k != "rounds"}), flush=True)
+        http.close()
         await receiver.stop()
         await bus.close()
     finally:

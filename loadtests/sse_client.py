@@ -1,0 +1,60 @@
+"""A lean HTTP/1.1 client for streaming OpenAI requests, for benchmarks.
+
+Like wrk, it keeps one keep-alive connection per concurrent stream and does the
+least possible parsing (status line, chunked framing, a byte search for the first
+content delta), so the load generator's own HTTP work does not count as mesh
+overhead. Correctness of responses is the tests' job, not this client's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+
+FIRST_CONTENT = b'"content":"'
+EMPTY_CONTENT = b'"content":""'
+
+
+class LeanSseClient:
+    def __init__(self, host: str, port: int, path: str, api_key: str) -> None:
+        self._host, self._port, self._path, self._key = host, port, path, api_key
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    def _request(self, body: dict) -> bytes:
+        payload = msgspec.json.encode(body)
+        head = (f"POST {self._path} HTTP/1.1\r\nHost: {self._host}:{self._port}\r\n"
+                f"Authorization: Bearer {self._key}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(payload)}\r\n\r\n")
+        return head.encode() + payload
+
+    async def ttft(self, body: dict, timeout_s: float = 10.0) -> float:
+        """Seconds from sending ``body`` to the first non-empty content delta; reads the whole stream."""
+        request = self._request(body)
+        reader, writer = self._idle.pop() if self._idle else await asyncio.open_connection(self._host, self._port)
+        start = time.perf_counter()
+        first: float | None = None
+        async with asyncio.timeout(timeout_s):
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            if not head.startswith(b"HTTP/1.1 200"):
+                writer.close()
+                raise RuntimeError(f"unexpected response: {head[:200]!r}")
+            while True:  # chunked transfer encoding
+                size = int((await reader.readline()).strip(), 16)
+                if size == 0:
+                    await reader.readline()
+                    break
+                chunk = await reader.readexactly(size + 2)
+                if first is None and FIRST_CONTENT in chunk.replace(EMPTY_CONTENT, b""):
+                    first = time.perf_counter() - start
+        self._idle.append((reader, writer))
+        if first is None:
+            raise RuntimeError("the stream carried no content")
+        return first
+
+    def close(self) -> None:
+        for _reader, writer in self._idle:
+            writer.close()
+        self._idle.clear()
