@@ -29,15 +29,27 @@ class LeanSseClient:
                 f"Content-Length: {len(payload)}\r\n\r\n")
         return head.encode() + payload
 
+    async def _send(self, request: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes, float]:
+        """Send on an idle keep-alive connection (or a new one if the server closed it); return the head."""
+        while self._idle:
+            reader, writer = self._idle.pop()
+            start = time.perf_counter()
+            writer.write(request)
+            try:
+                return reader, writer, await reader.readuntil(b"\r\n\r\n"), start
+            except (asyncio.IncompleteReadError, ConnectionError):
+                writer.close()  # the server's keep-alive timeout closed it while idle
+        reader, writer = await asyncio.open_connection(self._host, self._port)
+        start = time.perf_counter()
+        writer.write(request)
+        return reader, writer, await reader.readuntil(b"\r\n\r\n"), start
+
     async def ttft(self, body: dict, timeout_s: float = 10.0) -> float:
         """Seconds from sending ``body`` to the first non-empty content delta; reads the whole stream."""
         request = self._request(body)
-        reader, writer = self._idle.pop() if self._idle else await asyncio.open_connection(self._host, self._port)
-        start = time.perf_counter()
         first: float | None = None
         async with asyncio.timeout(timeout_s):
-            writer.write(request)
-            head = await reader.readuntil(b"\r\n\r\n")
+            reader, writer, head, start = await self._send(request)
             if not head.startswith(b"HTTP/1.1 200"):
                 writer.close()
                 raise RuntimeError(f"unexpected response: {head[:200]!r}")
