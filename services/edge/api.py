@@ -11,7 +11,7 @@ import hmac
 from contextlib import nullcontext
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import msgspec
 from opentelemetry import trace
@@ -73,36 +73,26 @@ class EdgeApi:
         return {"object": "list", "data": data}
 
     async def chat_completions(self, request: HttpRequest) -> Reply:
-        self.authenticate(request.headers.get("authorization"))
-        body = self._parse(request.body, ChatCompletionRequest)
-        try:
-            messages, sampling = validate_chat(body)
-        except InvalidRequest as exc:
-            raise errors.invalid_request(exc.message, exc.param, exc.code) from exc
+        body, (messages, sampling) = self._validated(request, ChatCompletionRequest, validate_chat)
         info, tokenizer = await self._model(body.model)
-        prompt_ids = tokenizer.apply_chat_template(messages)
-        return await self._serve(request, "chat", body.model, prompt_ids, sampling, tokenizer, info.max_model_len,
-                                 body.stream, bool(body.stream_options and body.stream_options.include_usage))
+        return await self._serve(request, "chat", body, tokenizer.apply_chat_template(messages), sampling,
+                                 tokenizer, info.max_model_len)
 
     async def completions(self, request: HttpRequest) -> Reply:
-        self.authenticate(request.headers.get("authorization"))
-        body = self._parse(request.body, CompletionRequest)
-        try:
-            prompt, sampling = validate_completion(body)
-        except InvalidRequest as exc:
-            raise errors.invalid_request(exc.message, exc.param, exc.code) from exc
+        body, (prompt, sampling) = self._validated(request, CompletionRequest, validate_completion)
         info, tokenizer = await self._model(body.model)
         prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         if any(not 0 <= t < tokenizer.vocab_size for t in prompt_ids):
             raise errors.invalid_request(f"Token ids in 'prompt' must be in [0, {tokenizer.vocab_size}).", "prompt")
-        return await self._serve(request, "text", body.model, prompt_ids, sampling, tokenizer, info.max_model_len,
-                                 body.stream, bool(body.stream_options and body.stream_options.include_usage))
+        return await self._serve(request, "text", body, prompt_ids, sampling, tokenizer, info.max_model_len)
 
     # ------------------------------------------------------------ shared flow
-    @staticmethod
-    def _parse(body: bytes, kind: type) -> Any:
+    def _validated(self, request: HttpRequest, kind: type, validate: Callable[[Any], Any]) -> tuple[Any, Any]:
+        """Authenticate, decode the body as ``kind`` and validate it; InvalidRequest becomes a 400."""
+        self.authenticate(request.headers.get("authorization"))
         try:
-            return parse_body(body, kind)
+            body = parse_body(request.body, kind)
+            return body, validate(body)
         except InvalidRequest as exc:
             raise errors.invalid_request(exc.message, exc.param, exc.code) from exc
 
@@ -128,8 +118,10 @@ class EdgeApi:
             frequency_penalty=sampling.frequency_penalty,
         )
 
-    async def _serve(self, request: HttpRequest, kind: str, model: str, prompt_ids: list[int], sampling: Sampling,
-                     tokenizer: ModelTokenizer, max_len: int, stream: bool, include_usage: bool) -> Reply:
+    async def _serve(self, request: HttpRequest, kind: str, body: Any, prompt_ids: list[int], sampling: Sampling,
+                     tokenizer: ModelTokenizer, max_len: int) -> Reply:
+        model, stream = body.model, body.stream
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         try:
             params = self._engine_sampling(sampling, len(prompt_ids), max_len, tokenizer)
         except errors.ApiError as exc:

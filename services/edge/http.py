@@ -70,8 +70,14 @@ async def _send(send: Callable[[dict[str, Any]], Awaitable[None]], reply: Reply)
         await send({"type": "http.response.body", "body": reply.body, "more_body": False})
         return
     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-    async for chunk in reply.chunks:
-        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    chunks = reply.chunks
+    try:
+        async for chunk in chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    finally:
+        # A disconnect cancels us inside send(), outside the generator: close it now so its
+        # finally aborts the engine request at once, not whenever the generator is collected.
+        await chunks.aclose()  # type: ignore[attr-defined]
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
