@@ -115,7 +115,7 @@ class EdgeApi:
         return SamplingParams(
             max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
             stop_token_ids=tokenizer.stop_token_ids, presence_penalty=sampling.presence_penalty,
-            frequency_penalty=sampling.frequency_penalty,
+            frequency_penalty=sampling.frequency_penalty, ignore_eos=sampling.ignore_eos,
         )
 
     async def _serve(self, request: HttpRequest, kind: str, body: Any, prompt_ids: list[int], sampling: Sampling,

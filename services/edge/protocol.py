@@ -59,6 +59,7 @@ class _Common(Struct, kw_only=True):
     frequency_penalty: Penalty | None = None
     user: str | None = None
     logprobs: bool | int | None = None
+    ignore_eos: bool = False  # vLLM's extension (extra_body): generate max_tokens, for benchmarks
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -86,6 +87,7 @@ class Sampling:
     stop: list[str]
     presence_penalty: float
     frequency_penalty: float
+    ignore_eos: bool = False
 
 
 _PATH = re.compile(r"at `\$(.*?)`")
@@ -131,6 +133,7 @@ def _check_common(req: _Common) -> Sampling:
         stop=stop,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
+        ignore_eos=req.ignore_eos,
     )
 
 

@@ -107,7 +107,8 @@ async def test_client_disconnect_aborts_the_vllm_request_within_a_second(mesh, n
     bus = await Bus.connect(nats_url, mesh["namespace"], "probe")
     worker_load = bus.subjects.worker_load("vllm-0")
     before = await bus.request(worker_load, LoadRequest(), LoadSnapshot)
-    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 900, "stream": True, "seed": 11}
+    # ignore_eos: a random tiny model may sample EOS at any step; this request must still be running
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 900, "stream": True, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=mesh["base_url"], headers={"Authorization": f"Bearer {mesh['key']}"},
                                  timeout=60) as http:
         async with http.stream("POST", "/chat/completions", json=body) as response:
