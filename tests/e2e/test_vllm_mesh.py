@@ -12,7 +12,7 @@ import pytest
 from infermesh.processes import free_port
 from services.edge.tokenizer import ModelTokenizer
 from shared.bus import Bus
-from shared.schema import LoadRequest, LoadSnapshot
+from shared.schema import BlockStored, KvEventBatch, LoadRequest, LoadSnapshot
 from tests.e2e.mesh_process import UpProcess
 from tests.utils import eventually
 
@@ -93,6 +93,31 @@ def test_repeated_long_prefix_reports_cached_tokens(mesh):
     second = client.chat.completions.create(model="tiny", messages=history, max_tokens=2)
     assert first.usage.prompt_tokens > 256
     assert second.usage.prompt_tokens_details.cached_tokens >= 128
+
+
+async def test_vllm_kv_events_reach_the_bus(mesh, nats_url, tokenizer):
+    bus = await Bus.connect(nats_url, mesh["namespace"], "kv-probe")
+    batches: list[KvEventBatch] = []
+    await bus.subscribe(bus.subjects.kv_events("vllm-0"), KvEventBatch, lambda b, _raw: _append(batches, b))
+    client = openai.AsyncOpenAI(base_url=mesh["base_url"], api_key=mesh["key"], max_retries=0)
+    messages = [{"role": "user", "content": " ".join(f"event {i} lands on the bus;" for i in range(60))}]
+    await client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    prompt_ids = tokenizer.apply_chat_template(messages)
+
+    def stored_prompt_blocks() -> bool:  # vLLM stores runs of full blocks (128 tokens on CPU) in one event
+        return any(isinstance(e, BlockStored) and e.parent_block_hash is None and e.block_size == 128
+                   and len(e.token_ids) == 128 * len(e.block_hashes) == 128 * (len(prompt_ids) // 128)
+                   and e.token_ids == prompt_ids[:len(e.token_ids)]
+                   for b in batches for e in b.events)
+
+    await eventually(stored_prompt_blocks, 5)
+    assert all(b.source_id == "vllm-0" for b in batches)
+    assert [b.seq for b in batches] == list(range(batches[0].seq, batches[0].seq + len(batches)))
+    await bus.close()
+
+
+async def _append(items: list, item) -> None:
+    items.append(item)
 
 
 def test_bad_token_ids_are_a_400_and_the_engine_survives(mesh):

@@ -29,6 +29,7 @@ class VllmEngineConfig:
     kv_cache_dtype: str = "auto"
     cpu_core: int = -1
     enable_prefix_caching: bool = True
+    kv_events: bool = True  # bridge vLLM's KV cache events (ZMQ) to the worker's kv_events()
 
     def __post_init__(self) -> None:
         assert self.model_path, "the vllm engine needs --model-path (a local model folder)"
@@ -51,6 +52,7 @@ class VllmEngine(Engine):
         self._aborted: set[str] = set()
         self._num_kv_blocks = 0
         self._block_size = config.block_size
+        self._kv_subscriber: Any = None
 
     async def start(self) -> EngineSpec:
         c = self.config
@@ -58,13 +60,21 @@ class VllmEngine(Engine):
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(c.kv_cache_gib)))
         if c.cpu_core >= 0:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(c.cpu_core)
+        from vllm.config import KVEventsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        kv_events_config = None
+        if c.kv_events and c.enable_prefix_caching:
+            from services.worker.engines.vllm_kv_events import TOPIC, KvEventSubscriber
+
+            self._kv_subscriber = KvEventSubscriber()
+            kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                              endpoint=self._kv_subscriber.endpoint, topic=TOPIC)
         args = AsyncEngineArgs(
             model=c.model_path, served_model_name=c.model, enforce_eager=True, max_model_len=c.max_model_len,
             block_size=c.block_size or None, enable_prefix_caching=c.enable_prefix_caching,
-            kv_cache_dtype=c.kv_cache_dtype, disable_log_stats=True,
+            kv_cache_dtype=c.kv_cache_dtype, disable_log_stats=True, kv_events_config=kv_events_config,
         )
         self._llm = AsyncLLM.from_engine_args(args)
         vllm_config = self._llm.vllm_config
@@ -79,6 +89,13 @@ class VllmEngine(Engine):
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        if self._kv_subscriber is not None:
+            self._kv_subscriber.close()
+
+    def kv_events(self) -> AsyncIterator[list[Any]]:
+        if self._kv_subscriber is None:
+            return super().kv_events()
+        return self._kv_subscriber.batches()
 
     def _sampling(self, sampling: SamplingParams) -> Any:
         from vllm import SamplingParams as VllmSampling
