@@ -13,7 +13,7 @@ or chat templates. The worker service drives it:
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from shared.schema import KvEvent, SamplingParams
@@ -51,13 +51,6 @@ class EngineLoad:
     num_waiting: int
     num_active_blocks: int
     num_kv_blocks: int
-
-
-@dataclass(slots=True)
-class EngineCounters:
-    num_finished_total: int = 0
-    num_aborted_total: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 class Engine(abc.ABC):

@@ -61,10 +61,6 @@ class ScheduledBatch:
     def num_batched_tokens(self) -> int:
         return sum(n for _, n in self.prefills) + len(self.decodes)
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.prefills and not self.decodes
-
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_batched_tokens: int, max_num_seqs: int) -> None:
