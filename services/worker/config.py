@@ -21,11 +21,19 @@ class WorkerConfig(BusConfig):
     load_publish_s: float = 0.5
     # engine options
     block_size: int = 0  # 0: the engine default (sim 16, vLLM CPU 128)
-    num_kv_blocks: int = 8192
+    num_kv_blocks: int = 0  # sim: 0 = the profile's budget (fixed timings: 8192)
     max_model_len: int = 8192
-    sim_ttft_ms: float = 20.0
+    sim_ttft_ms: float = 20.0  # fixed timings, when no sim_profile is set
     sim_itl_ms: float = 10.0
     sim_prefill_us_per_token: float = 0.0
+    sim_profile: str = ""  # a step-time profile (services/worker/engines/profiles/<name>.toml)
+    sim_clock_factor: float = 1.0  # simulated seconds per real second
+    sim_stream_interval: int = 1  # tokens per streamed message (coalescing)
+    sim_kv_layout: str = "BLHNC"
+    sim_host_kv_blocks: int = 0
+    max_num_batched_tokens: int = 0  # per-step prompt-token budget (0: engine/profile default)
+    max_num_seqs: int = 0
+    num_engines: int = 1  # sim only: engines (workers <worker_id>-<i>) sharing this process
     kv_cache_gib: float = 1.0
     kv_cache_dtype: str = "auto"
     cpu_core: int = -1  # pin the vLLM engine's threads to this core (-1: leave as is)
@@ -34,12 +42,20 @@ class WorkerConfig(BusConfig):
         assert self.role in ("both", "prefill", "decode"), f"role must be both|prefill|decode, not {self.role!r}"
         assert self.engine in ("sim", "vllm"), f"engine must be sim|vllm, not {self.engine!r}"
         assert self.heartbeat_ttl_s > self.heartbeat_s > 0, "heartbeat_ttl_s must exceed heartbeat_s"
+        assert self.num_engines >= 1 and (self.num_engines == 1 or self.engine == "sim"), \
+            "num_engines > 1 is for the sim engine only"
 
     def engine_options(self) -> dict[str, object]:
         if self.engine == "sim":
             return dict(
-                model=self.model, tokenizer=self.model_path, block_size=self.block_size or 16,
-                num_kv_blocks=self.num_kv_blocks, max_model_len=self.max_model_len,
+                model=self.model, tokenizer=self.model_path, worker_id=self.worker_id, role=self.role,
+                profile=self.sim_profile, clock_factor=self.sim_clock_factor,
+                stream_interval=self.sim_stream_interval, kv_layout=self.sim_kv_layout,
+                kv_dtype=self.kv_cache_dtype if self.kv_cache_dtype != "auto" else "fp8",
+                # with a profile, 0 means: as the profile says
+                block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+                host_kv_blocks=self.sim_host_kv_blocks, max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                 ttft_ms=self.sim_ttft_ms, itl_ms=self.sim_itl_ms,
                 prefill_us_per_token=self.sim_prefill_us_per_token,
             )

@@ -1,4 +1,5 @@
-"""services/worker/engines/block_pool.py: chained hashes, prefix reuse, KV events, LRU eviction, accounting."""
+"""services/worker/engines/block_pool.py: chained hashes, prefix reuse, KV events, LRU eviction, accounting,
+the host tier."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from services.worker.engines.block_pool import BlockPool, block_hashes, hash_block
+from services.worker.engines.block_pool import BlockPool, block_hashes, fast_hash_block, hash_block
 from shared.schema import AllBlocksCleared, BlockRemoved, BlockStored
 
 BS = 4
@@ -22,12 +23,41 @@ def stored(event) -> list[int]:
     return event.block_hashes
 
 
+def gpu_stored(hashes: list[int], parent: int | None, token_ids: list[int]) -> BlockStored:
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=token_ids, block_size=BS, medium="GPU")
+
+
+def cpu_stored(block_hash: int, parent: int | None, token_ids: list[int]) -> BlockStored:
+    return BlockStored(block_hashes=[block_hash], parent_block_hash=parent, token_ids=token_ids, block_size=BS,
+                       medium="CPU")
+
+
+def removed(block_hash: int, medium: str) -> BlockRemoved:
+    return BlockRemoved(block_hashes=[block_hash], medium=medium)
+
+
 def test_hash_is_deterministic_64_bit_and_chained() -> None:
     h = hash_block(None, [1, 2, 3], ("m",))
     assert h == hash_block(None, (1, 2, 3), ("m",))  # list or tuple alike
     assert h == 0x43E3580ED33F5405  # pinned: any change to the encoding breaks routers that mirror it
     assert 0 <= h < 2**64
     assert hash_block(h, [4]) != hash_block(None, [4])  # the parent is part of the hash
+
+
+def test_fast_hash_is_64_bit_chained_and_usable_by_the_pool() -> None:
+    h = fast_hash_block(None, [1, 2, 3], ("m",))
+    assert h == fast_hash_block(None, (1, 2, 3), ("m",)) == hash((None, (1, 2, 3), ("m",))) & (2**64 - 1)
+    assert 0 <= h < 2**64 and fast_hash_block(h, [4]) != fast_hash_block(None, [4])
+    hashes = block_hashes(toks(0, 10), BS, ("m",), hasher=fast_hash_block)
+    assert hashes == [fast_hash_block(None, toks(0, 4), ("m",)), fast_hash_block(hashes[0], toks(4, 4), ("m",))]
+    assert hashes != block_hashes(toks(0, 10), BS, ("m",))
+    pool = BlockPool(num_blocks=8, block_size=BS, hasher=fast_hash_block)
+    assert pool.allocate("a", toks(0, 10), ("m",)) == 0
+    assert pool.drain_events() == [gpu_stored(hashes, None, toks(0, 8))] and pool.cached_hashes() == set(hashes)
+    assert pool.allocate("b", toks(0, 9), ("m",)) == 8 and pool.find_cached_prefix(toks(0, 9)) == 0
+    pool.append_tokens("b", toks(9, 3))
+    assert pool.drain_events() == [gpu_stored(block_hashes(toks(0, 12), BS, ("m",), fast_hash_block)[2:],
+                                              hashes[1], toks(8, 4))]
 
 
 @pytest.mark.parametrize(
@@ -208,18 +238,140 @@ def test_caching_disabled_has_no_hashes_and_no_events() -> None:
     assert pool.reset() and pool.drain_events() == []
 
 
-@pytest.mark.parametrize("caching", [True, False])
-def test_random_operations_keep_accounting_consistent(caching: bool) -> None:
+# ---------------------------------------------------------------- host tier
+def test_eviction_writes_back_to_an_lru_host_tier() -> None:
+    pool = BlockPool(num_blocks=2, block_size=BS, host_num_blocks=3)
+    p = {n: block_hashes(toks(100 * n, BS), BS)[0] for n in range(1, 5)}
+    for n in (1, 2):
+        pool.allocate(f"p{n}", toks(100 * n, BS))
+        pool.free(f"p{n}")
+    pool.drain_events()
+    for n in (3, 4):  # each evicts the least recently freed block, written back with its parent and tokens
+        pool.allocate(f"p{n}", toks(100 * n, BS))
+        pool.free(f"p{n}")
+        assert pool.drain_events() == [removed(p[n - 2], "GPU"), cpu_stored(p[n - 2], None, toks(100 * (n - 2), BS)),
+                                       gpu_stored([p[n]], None, toks(100 * n, BS))]
+    assert pool.host_cached_hashes() == {p[1], p[2]} and pool.cached_hashes() == {p[3], p[4]}
+    # a host hit moves p1 to the host's MRU end, so filling the host drops p2, not p1
+    assert pool.allocate("p1b", toks(100, BS) + [7]) == 4 and pool.host_hit_tokens("p1b") == 4
+    assert pool.drain_events() == [removed(p[3], "GPU"), cpu_stored(p[3], None, toks(300, BS)),
+                                   removed(p[4], "GPU"), removed(p[2], "CPU"), cpu_stored(p[4], None, toks(400, BS)),
+                                   gpu_stored([p[1]], None, toks(100, BS))]
+    assert pool.host_cached_hashes() == {p[1], p[3], p[4]} and pool.num_host_cached_blocks == 3
+    pool.free("p1b")
+    # evicting p1 again: already on the host, so only moved to its MRU end (no CPU event)
+    q = block_hashes(toks(500, 8), BS)
+    assert pool.allocate("q", toks(500, 8)) == 0
+    assert pool.drain_events() == [removed(p[1], "GPU"), gpu_stored(q, None, toks(500, 8))]
+    pool.free("q")
+    pool.allocate("r", toks(600, 8))  # evicts q's tail then head, dropping p3 then p4; p1 survives
+    assert pool.drain_events()[:6] == [removed(q[1], "GPU"), removed(p[3], "CPU"), cpu_stored(q[1], q[0], toks(504, 4)),
+                                       removed(q[0], "GPU"), removed(p[4], "CPU"), cpu_stored(q[0], None, toks(500, 4))]
+    assert pool.host_cached_hashes() == {p[1], q[0], q[1]}
+
+
+def test_prefix_evicted_from_device_is_found_on_host_and_loaded() -> None:
+    pool = BlockPool(num_blocks=4, block_size=BS, host_num_blocks=8)
+    a, x = block_hashes(toks(0, 12), BS), block_hashes(toks(900, 8), BS)
+    pool.allocate("a", toks(0, 12))
+    pool.free("a")
+    pool.drain_events()
+    pool.allocate("x", toks(900, 8))  # takes the uncached block, then evicts a's tail
+    assert pool.drain_events() == [removed(a[2], "GPU"), cpu_stored(a[2], a[1], toks(8, 4)),
+                                   gpu_stored(x, None, toks(900, 8))]
+    pool.free("x")
+    too_long = toks(0, 12) + toks(50, 6)
+    assert pool.find_cached_prefix_by_tier(too_long) == (8, 4) and pool.find_cached_prefix(too_long) == 12
+    # 5 blocks: 2 device hits (evictable, so not free for new data) + 1 host hit and 2 new need 3 of the 2 left
+    assert not pool.can_allocate(too_long) and pool.allocate("c", too_long) is None
+    assert pool.drain_events() == [] and pool.num_free_blocks == 4
+    prompt = toks(0, 12) + toks(50, 4)
+    assert pool.can_allocate(prompt) and pool.allocate("c", prompt) == 12 and pool.host_hit_tokens("c") == 4
+    c3 = block_hashes(prompt, BS)[3]
+    # the loaded block and the computed one after it are announced in one run, after the evictions
+    assert pool.drain_events() == [removed(x[1], "GPU"), cpu_stored(x[1], x[0], toks(904, 4)),
+                                   removed(x[0], "GPU"), cpu_stored(x[0], None, toks(900, 4)),
+                                   gpu_stored([a[2], c3], a[1], toks(8, 4) + toks(50, 4))]
+    assert pool.block_ids("c")[:2] == [0, 1] and pool.num_free_blocks == 0
+    assert pool.cached_hashes() == set(a) | {c3} and pool.host_cached_hashes() == {a[2]} | set(x)  # inclusive
+    assert pool.find_cached_prefix_by_tier(prompt + [1]) == (16, 0)
+    pool.free("c")
+    assert pool.allocate("d", prompt) == 12 and pool.host_hit_tokens("d") == 0  # now all on the device
+
+
+def test_host_hit_loads_even_if_its_host_copy_is_pushed_out_meanwhile() -> None:
+    pool = BlockPool(num_blocks=2, block_size=BS, host_num_blocks=1)
+    a0, x = block_hashes(toks(0, 4), BS)[0], block_hashes(toks(900, 8), BS)
+    pool.allocate("a", toks(0, 4))
+    pool.free("a")
+    pool.allocate("x", toks(900, 8))
+    pool.free("x")
+    pool.drain_events()
+    assert pool.host_cached_hashes() == {a0}
+    assert pool.allocate("c", toks(0, 5)) == 4 and pool.host_hit_tokens("c") == 4
+    assert pool.drain_events() == [removed(x[1], "GPU"), removed(a0, "CPU"), cpu_stored(x[1], x[0], toks(904, 4)),
+                                   removed(x[0], "GPU"), removed(x[1], "CPU"), cpu_stored(x[0], None, toks(900, 4)),
+                                   gpu_stored([a0], None, toks(0, 4))]
+    assert pool.cached_hashes() == {a0} and pool.host_cached_hashes() == {x[0]}
+
+
+def test_chain_continues_from_host_back_to_device() -> None:
+    # b recomputes a's block 0 (a duplicate, so not cached again) and caches block 1; evicting a's block 0
+    # leaves the chain's head on the host and its next block on the device
+    pool = BlockPool(num_blocks=5, block_size=BS, host_num_blocks=4)
+    h = block_hashes(toks(0, 8), BS)
+    pool.allocate("a", toks(0, 5))
+    pool.allocate("b", toks(0, 3))
+    pool.append_tokens("b", toks(3, 6))
+    pool.free("a")
+    pool.allocate("x", toks(900, 8))
+    pool.free("x")
+    pool.drain_events()
+    assert pool.host_cached_hashes() == {h[0]} and pool.cached_hashes() >= {h[1]}
+    assert pool.find_cached_prefix_by_tier(toks(0, 9)) == (4, 4)
+    assert pool.allocate("c", toks(0, 9)) == 8 and pool.host_hit_tokens("c") == 4
+    assert pool.block_ids("c")[1] == pool.block_ids("b")[1]
+    assert [e for e in pool.drain_events() if e.medium == "GPU" and isinstance(e, BlockStored)] == [
+        gpu_stored([h[0]], None, toks(0, 4))]
+
+
+def test_reset_clears_the_host_tier_too() -> None:
+    pool = BlockPool(num_blocks=2, block_size=BS, host_num_blocks=4)
+    pool.allocate("a", toks(0, 8))
+    pool.free("a")
+    pool.allocate("b", toks(100, 4))
+    pool.drain_events()
+    assert pool.num_host_cached_blocks == 1
+    assert pool.reset() is False and pool.num_host_cached_blocks == 1
+    pool.free("b")
+    assert pool.reset() is True and pool.drain_events() == [AllBlocksCleared()]
+    assert pool.host_cached_hashes() == set() and pool.cached_hashes() == set()
+    assert pool.find_cached_prefix_by_tier(toks(0, 9)) == (0, 0)
+    assert pool.allocate("c", toks(200, 8)) == 0 and pool.drain_events() == [
+        gpu_stored(block_hashes(toks(200, 8), BS), None, toks(200, 8))]
+
+
+@pytest.mark.parametrize("caching, host_num_blocks, hasher", [
+    (True, 0, hash_block), (False, 0, hash_block), (True, 6, hash_block), (True, 40, fast_hash_block),
+    (False, 6, hash_block),
+])
+def test_random_operations_keep_accounting_consistent(caching: bool, host_num_blocks: int, hasher) -> None:
     rng = random.Random(1234)
-    pool = BlockPool(num_blocks=24, block_size=BS, enable_prefix_caching=caching)
+    pool = BlockPool(num_blocks=24, block_size=BS, enable_prefix_caching=caching, hasher=hasher,
+                     host_num_blocks=host_num_blocks)
     prefixes = [toks(1000 * i, 10) for i in range(3)]
     running: list[str] = []
-    mirror: set[int] = set()
+    mirror: dict[str, set[int]] = {"GPU": set(), "CPU": set()}
+    num_host_hit_tokens = 0
     for step in range(600):
         op = rng.random()
         if op < 0.4:
             prompt = rng.choice(prefixes)[: rng.randint(1, 10)] + toks(rng.randint(0, 5) * 7, rng.randint(0, 9))
-            if pool.allocate(f"r{step}", prompt) is not None:
+            on_device, on_host = pool.find_cached_prefix_by_tier(prompt)
+            num_cached = pool.allocate(f"r{step}", prompt)
+            if num_cached is not None:
+                assert (num_cached, pool.host_hit_tokens(f"r{step}")) == (on_device + on_host, on_host)
+                num_host_hit_tokens += on_host
                 running.append(f"r{step}")
         elif op < 0.75 and running:
             pool.append_tokens(rng.choice(running), toks(rng.randint(0, 3), rng.randint(1, 6)))
@@ -235,13 +387,16 @@ def test_random_operations_keep_accounting_consistent(caching: bool) -> None:
         assert 0.0 <= pool.usage <= 1.0
         assert {pool._hash_to_block_id[h] for h in pool.cached_hashes()} >= set(pool._evictable_ids)
         assert pool.num_cached_blocks == (0 if not caching else len(pool.cached_hashes()))
-        for event in pool.drain_events():  # a consumer replaying the events sees exactly the pool's cache
+        assert pool.num_host_cached_blocks == len(pool.host_cached_hashes()) <= host_num_blocks
+        for event in pool.drain_events():  # a consumer replaying the events sees exactly the pool's tiers
             if isinstance(event, BlockStored):
-                assert mirror.isdisjoint(event.block_hashes)
-                mirror.update(event.block_hashes)
+                assert mirror[event.medium].isdisjoint(event.block_hashes)
+                mirror[event.medium].update(event.block_hashes)
             elif isinstance(event, BlockRemoved):
-                assert mirror >= set(event.block_hashes)
-                mirror.difference_update(event.block_hashes)
+                assert mirror[event.medium] >= set(event.block_hashes)
+                mirror[event.medium].difference_update(event.block_hashes)
             else:
-                mirror.clear()
-        assert mirror == pool.cached_hashes()
+                for hashes in mirror.values():
+                    hashes.clear()
+        assert mirror == {"GPU": pool.cached_hashes(), "CPU": pool.host_cached_hashes()}
+    assert (num_host_hit_tokens > 0) == (caching and host_num_blocks > 0)

@@ -1,12 +1,12 @@
-"""services/worker/engines/sim.py: deterministic tokens, finish reasons, abort and load."""
+"""services/worker/engines/sim.py: deterministic tokens, finish reasons, abort, load, clock, coalescing."""
 
 from __future__ import annotations
 
-import math
+import asyncio
 
 import pytest
 
-from services.worker.engines.base import EngineLoad
+from services.worker.engines.base import EngineLoad, EngineRequestError
 from services.worker.engines.sim import SimEngine, SimEngineConfig, sim_token_ids
 from shared.schema import SamplingParams
 
@@ -17,7 +17,14 @@ def engine(block_size: int = 16) -> SimEngine:
     return SimEngine(SimEngineConfig(ttft_ms=0, itl_ms=0, block_size=block_size, num_kv_blocks=64))
 
 
+async def started(eng: SimEngine) -> SimEngine:
+    await eng.start()
+    return eng
+
+
 async def collect(eng: SimEngine, request_id: str, prompt: list[int], sampling: SamplingParams):
+    if eng._runner is None:
+        await eng.start()
     return [out async for out in eng.generate(request_id, prompt, sampling)]
 
 
@@ -74,7 +81,7 @@ async def test_stop_token_ends_generation(stop_ids, ignore_eos, tokens, finish):
 
 @pytest.mark.parametrize("abort_after", [1, 3])
 async def test_abort_mid_generation(abort_after):
-    eng = engine()
+    eng = await started(SimEngine(SimEngineConfig(ttft_ms=0, itl_ms=5, block_size=16, num_kv_blocks=64)))
     outs = []
     async for out in eng.generate("r", PROMPT, SamplingParams(max_tokens=10)):
         outs.append(out)
@@ -82,7 +89,7 @@ async def test_abort_mid_generation(abort_after):
             await eng.abort("r")
     assert len(outs) == abort_after + 1
     assert outs[-1].token_ids == [] and outs[-1].finish_reason == "abort"
-    assert eng.load().num_running == 0
+    assert eng.load() == EngineLoad(0, 0, 0, 64)
 
 
 async def test_abort_unknown_request_is_harmless():
@@ -92,26 +99,72 @@ async def test_abort_unknown_request_is_harmless():
     assert outs[-1].finish_reason == "length"
 
 
-@pytest.mark.parametrize(
-    "block_size, prompt_lens, steps, blocks",
-    [
-        (16, [16], [1], 2),  # (16 + 1) / 16 -> 2 blocks
-        (16, [15], [1], 1),  # (15 + 1) / 16 -> 1 block
-        (4, [10, 3], [2, 1], 3 + 1),  # ceil(12/4) + ceil(4/4)
-        (8, [5, 20, 1], [3, 1, 2], 1 + 3 + 1),
-    ],
-)
-async def test_load_counts_running_requests_and_blocks(block_size, prompt_lens, steps, blocks):
-    eng = engine(block_size)
-    streams = []
-    for i, (n, k) in enumerate(zip(prompt_lens, steps)):
-        stream = eng.generate(f"r{i}", list(range(1, n + 1)), SamplingParams(max_tokens=10, stop_token_ids=[]))
-        for _ in range(k):
-            await anext(stream)
-        streams.append(stream)
-    assert blocks == sum(math.ceil((n + k) / block_size) for n, k in zip(prompt_lens, steps))
-    assert eng.load() == EngineLoad(len(prompt_lens), 0, blocks, 64)
+async def test_load_counts_running_requests_and_their_blocks():
+    eng = await started(engine(block_size=4))
+    streams = [eng.generate(f"r{i}", list(range(i * 100, i * 100 + 10)), SamplingParams(max_tokens=50, stop_token_ids=[]))
+               for i in range(3)]
+    for stream in streams:
+        await anext(stream)
+    load = eng.load()
+    assert (load.num_running, load.num_waiting, load.num_kv_blocks) == (3, 0, 64)
+    assert load.num_active_blocks >= 3 * 3  # at least ceil(11 / 4) blocks each
     for stream in streams:
         async for _ in stream:
             pass
     assert eng.load() == EngineLoad(0, 0, 0, 64)
+    await eng.stop()
+
+
+async def test_a_request_that_can_never_fit_is_refused():
+    eng = await started(engine(block_size=4))
+    with pytest.raises(EngineRequestError, match="KV"):
+        await collect(eng, "r", list(range(300)), SamplingParams(max_tokens=1))
+    with pytest.raises(EngineRequestError, match="context"):
+        await collect(SimEngine(SimEngineConfig(max_model_len=32)), "r", list(range(30)), SamplingParams(max_tokens=5))
+    await eng.stop()
+
+
+@pytest.mark.parametrize("interval, max_tokens, sizes", [(1, 4, [1, 1, 1, 1]), (4, 10, [1, 4, 4, 1]),
+                                                         (8, 5, [1, 4]), (3, 1, [1])])
+async def test_stream_interval_coalesces_tokens_first_token_alone(interval, max_tokens, sizes):
+    eng = await started(SimEngine(SimEngineConfig(ttft_ms=0, itl_ms=0, stream_interval=interval)))
+    outs = await collect(eng, "r", PROMPT, SamplingParams(max_tokens=max_tokens, seed=1))
+    assert [len(o.token_ids) for o in outs] == sizes
+    assert [t for o in outs for t in o.token_ids] == sim_token_ids(PROMPT, 1, max_tokens)
+    await eng.stop()
+
+
+async def test_clock_factor_speeds_simulated_time_up():
+    slow = await started(SimEngine(SimEngineConfig(ttft_ms=0, itl_ms=40, clock_factor=1.0)))
+    fast = await started(SimEngine(SimEngineConfig(ttft_ms=0, itl_ms=40, clock_factor=20.0)))
+    loop = asyncio.get_running_loop()
+    times = {}
+    for name, eng in (("slow", slow), ("fast", fast)):
+        t0 = loop.time()
+        await collect(eng, "r", PROMPT, SamplingParams(max_tokens=6))
+        times[name] = loop.time() - t0
+        await eng.stop()
+    assert times["slow"] >= 5 * 0.040 * 0.9  # five decode steps of 40 ms
+    assert times["fast"] < times["slow"] / 4
+
+
+async def test_kv_events_mirror_the_pool():
+    eng = await started(engine(block_size=4))
+    events = eng.kv_events()
+    await collect(eng, "a", PROMPT, SamplingParams(max_tokens=3))
+    stored = set()
+    while not eng._kv_events.empty():
+        for event in await anext(events):
+            stored.update(event.block_hashes)
+    assert stored == eng.worker.pool.cached_hashes() and len(stored) == (len(PROMPT) + 2) // 4
+    await eng.stop()
+
+
+async def test_profile_timings_and_prefix_hits():
+    eng = await started(SimEngine(SimEngineConfig(profile="gb200-glm53", clock_factor=1000.0, block_size=16)))
+    prompt = list(range(1000))
+    first = await collect(eng, "a", prompt, SamplingParams(max_tokens=2))
+    second = await collect(eng, "b", prompt + [5, 6], SamplingParams(max_tokens=2))
+    assert first[-1].num_cached_tokens == 0 and second[-1].num_cached_tokens == 992
+    assert eng.now() > 0.006  # at least two decode steps of the profile passed in simulated time
+    await eng.stop()

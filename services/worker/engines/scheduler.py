@@ -13,6 +13,12 @@ first-come-first-served while the per-step token budget (``max_num_batched_token
 that does not fit blocks the queue). A decode that needs a new block when none is free
 preempts the most recently admitted running request (recompute: its blocks are freed and
 it returns to the front of the waiting queue).
+
+A request whose KV a prefill worker computed (``remote_kv``, the decode side of a
+disaggregated pair) is admitted like any other, but instead of prefilling it starts a
+transfer of the prompt tokens not already cached here (``batch.transfers``) and is
+skipped until ``kv_arrived``; then, as in vLLM's NIXL connector, only its last prompt
+token is computed locally, which yields its first output token.
 """
 
 from __future__ import annotations
@@ -36,6 +42,11 @@ class SimRequest:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None
+    remote_kv: bool = False  # the prompt's KV is pulled from a prefill worker instead of computed here
+    receiving: bool = False  # admitted, its KV transfer still in flight: not scheduled until kv_arrived()
+    arrival_t: float = 0.0
+    scheduled_t: float | None = None  # first time any of it ran (queue wait = scheduled_t - arrival_t)
+    token_times: list[float] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
@@ -56,6 +67,7 @@ class ScheduledBatch:
     prefills: list[tuple[SimRequest, int]] = field(default_factory=list)  # (request, tokens this step)
     decodes: list[SimRequest] = field(default_factory=list)
     preempted: list[SimRequest] = field(default_factory=list)
+    transfers: list[tuple[SimRequest, int]] = field(default_factory=list)  # (request, tokens to pull) started now
 
     @property
     def num_batched_tokens(self) -> int:
@@ -99,7 +111,7 @@ class Scheduler:
         for request in self.running:
             if budget == 0:
                 break
-            if request.is_prefilling:
+            if request.is_prefilling and not request.receiving:
                 chunk = min(request.num_tokens_to_prefill - request.num_computed_tokens, budget)
                 batch.prefills.append((request, chunk))
                 budget -= chunk
@@ -110,7 +122,7 @@ class Scheduler:
         for request in list(self.running):
             if len(batch.decodes) == self.max_num_batched_tokens:
                 return
-            if request.is_prefilling or request not in self.running:
+            if request.is_prefilling or request.receiving or request not in self.running:
                 continue  # still prefilling, or preempted earlier in this loop
             while not self.pool.append_tokens(request.request_id, request.output_token_ids[-1:]):
                 victim = self.running[-1]
@@ -122,6 +134,7 @@ class Scheduler:
 
     def _preempt(self, request: SimRequest, batch: ScheduledBatch) -> None:
         self.running.remove(request)
+        request.receiving = False
         if request in batch.decodes:
             batch.decodes.remove(request)
         self.pool.free(request.request_id)
@@ -143,19 +156,34 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             if not request.output_token_ids:
                 request.num_cached_tokens = num_cached
+            if request.remote_kv and not request.output_token_ids:
+                num_to_pull = request.num_tokens_to_prefill - 1 - num_cached
+                if num_to_pull > 0:
+                    request.receiving = True
+                    request.num_computed_tokens += num_to_pull
+                    batch.transfers.append((request, num_to_pull))
+                    continue
             chunk = min(request.num_tokens_to_prefill - num_cached, budget)
             batch.prefills.append((request, chunk))
             budget -= chunk
+
+    def kv_arrived(self, request: SimRequest) -> None:
+        """A transfer started by ``schedule`` completed: the request runs from the next step on."""
+        request.receiving = False
 
     # ------------------------------------------------------------ after the step
     def postprocess(self, batch: ScheduledBatch, sample: Callable[[SimRequest], int]) -> list[SimRequest]:
         """Advance every scheduled request, sample where a token is due; return the finished ones."""
         finished = []
         for request, chunk in batch.prefills:
+            if request.finish_reason is not None:
+                continue  # aborted while the step ran
             request.num_computed_tokens += chunk
             if not request.is_prefilling and not request.output_token_ids:
                 self._emit(request, sample(request), finished)
         for request in batch.decodes:
+            if request.finish_reason is not None:
+                continue
             request.num_computed_tokens += 1
             self._emit(request, sample(request), finished)
         return finished

@@ -1,78 +1,91 @@
-"""The ``sim`` engine, first version: deterministic tokens at a configurable rate.
+"""The ``sim`` engine: the pure SimWorker core (block pool, scheduler, cost model) on a clock.
 
-No GPU, no model weights: each request waits ``ttft_ms`` (plus ``prefill_us_per_token``
-per prompt token), then emits one token every ``itl_ms``. Tokens are drawn from the
-prompt's own token ids with an RNG seeded by (seed, prompt), so output is valid for
-the tokenizer and identical for identical requests. The simulator issue replaces the
-timing with a block pool and a batch scheduler behind this same interface.
+One asyncio task per engine runs steps back to back while there is work: schedule a
+batch, sleep its simulated duration divided by ``clock_factor`` (simulated seconds per
+real second: 10 runs ten times faster than real time), then hand each request its new
+tokens. Step times come from a profile (``profiles/*.toml``); with no profile, fixed
+timings (``ttft_ms`` per prefill step plus ``prefill_us_per_token``, ``itl_ms`` per
+decode step) keep mesh tests and the overhead benchmark independent of batching costs.
+
+Tokens are drawn from the prompt with a seeded RNG (sim_worker.token_rng): identical
+requests get identical output. ``stream_interval`` coalesces tokens the way vLLM's
+``--stream-interval`` does: the first token goes out at once, then every N tokens and at
+the end. KV events come from the block pool after every step, exactly as it changed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
-import random
-import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from services.worker.engines.base import Engine, EngineLoad, EngineOutput, EngineSpec
-from shared.schema import SamplingParams
+from services.worker.engines.base import Engine, EngineLoad, EngineOutput, EngineRequestError, EngineSpec
+from services.worker.engines.block_pool import hash_block
+from services.worker.engines.cost_model import CostModel, load_profile
+from services.worker.engines.scheduler import SimRequest
+from services.worker.engines.sim_worker import SimWorker, SimWorkerConfig, token_rng
+from shared.schema import KvEvent, SamplingParams
 
 
 @dataclass(slots=True)
 class SimEngineConfig:
     model: str = "sim-model"
     tokenizer: str = ""
-    block_size: int = 16
-    num_kv_blocks: int = 8192
+    worker_id: str = "sim"
+    role: str = "both"
+    profile: str = ""  # a profile name or TOML path; "" = fixed timings below
+    clock_factor: float = 1.0
+    stream_interval: int = 1
+    kv_dtype: str = "fp8"
+    kv_layout: str = "BLHNC"
+    block_size: int = 0  # 0: the profile's (fixed timings: 16)
+    num_kv_blocks: int = 0  # 0: what the profile's KV budget holds (fixed timings: 8192)
+    host_kv_blocks: int = 0
+    max_num_batched_tokens: int = 0  # 0: the profile's (fixed timings: 8192)
+    max_num_seqs: int = 0  # 0: the profile's (fixed timings: 256)
     max_model_len: int = 32768
     ttft_ms: float = 20.0
     prefill_us_per_token: float = 0.0
     itl_ms: float = 10.0
 
     def __post_init__(self) -> None:
-        assert self.block_size > 0 and self.num_kv_blocks > 0 and self.max_model_len > 0
+        assert self.block_size >= 0 and self.num_kv_blocks >= 0 and self.max_model_len > 0
         assert self.ttft_ms >= 0 and self.itl_ms >= 0 and self.prefill_us_per_token >= 0
+        assert self.clock_factor > 0 and self.stream_interval >= 1
 
 
-@dataclass(slots=True)
-class _Running:
-    num_prompt_tokens: int
-    num_output_tokens: int = 0
-    aborted: bool = False
-    _wake: asyncio.Future[None] | None = None
+class FixedCost:
+    """Fixed timings: a step with prefill work takes ttft (+ per-token), a decode-only step itl."""
 
-    async def sleep(self, seconds: float) -> bool:
-        """Sleep unless aborted first (one timer, no extra task per token); True when aborted."""
-        if self.aborted or seconds <= 0:
-            return self.aborted
-        loop = asyncio.get_running_loop()
-        self._wake = loop.create_future()
-        timer = loop.call_later(seconds, _wake_up, self._wake)
-        try:
-            await self._wake
-        finally:
-            timer.cancel()
-            self._wake = None
-        return self.aborted
+    def __init__(self, config: SimEngineConfig) -> None:
+        self.config = config  # read live, so tests can slow an engine down mid-run
 
-    def abort(self) -> None:
-        self.aborted = True
-        if self._wake is not None:
-            _wake_up(self._wake)
+    def step_time(self, prefills: list[tuple[int, int]], decode_contexts: list[int]) -> float:
+        c = self.config
+        if prefills:
+            return (c.ttft_ms + c.prefill_us_per_token * sum(n for n, _ in prefills) / 1000.0) / 1000.0
+        return c.itl_ms / 1000.0 if decode_contexts else 0.0
 
+    def transfer_time(self, num_tokens: int, block_size: int, layout: str) -> float:
+        return 0.0
 
-def _wake_up(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+    def onload_time(self, num_tokens: int) -> float:
+        return 0.0
 
 
 def sim_token_ids(prompt_token_ids: list[int], seed: int | None, count: int) -> list[int]:
-    """The deterministic token choices of the sim engine for a prompt (pure, for tests)."""
-    rng = random.Random(zlib.crc32(repr((seed or 0, prompt_token_ids)).encode()))
+    """The tokens the sim engine gives a prompt (pure, for tests): ``count`` draws of token_rng."""
     pool = prompt_token_ids or [0]
+    rng = token_rng(pool, seed)
     return [pool[rng.randrange(len(pool))] for _ in range(count)]
+
+
+@dataclass(slots=True)
+class _Stream:
+    request: SimRequest
+    pending: list[int] = field(default_factory=list)
+    outputs: asyncio.Queue[EngineOutput] = field(default_factory=asyncio.Queue)
+    num_sent: int = 0
 
 
 class SimEngine(Engine):
@@ -80,53 +93,122 @@ class SimEngine(Engine):
 
     def __init__(self, config: SimEngineConfig) -> None:
         self.config = config
-        self._running: dict[str, _Running] = {}
+        c = config
+        if c.profile:
+            profile = load_profile(c.profile)
+            cost = CostModel(profile, c.kv_dtype)
+            wc = SimWorkerConfig(c.worker_id, profile, c.role, c.kv_dtype, c.kv_layout, c.block_size,
+                                 c.num_kv_blocks, c.host_kv_blocks, c.max_num_batched_tokens, c.max_num_seqs,
+                                 hasher=hash_block)
+        else:
+            cost = FixedCost(c)
+            wc = SimWorkerConfig(c.worker_id, None, c.role, c.kv_dtype, c.kv_layout, c.block_size or 16,
+                                 c.num_kv_blocks or 8192, c.host_kv_blocks, c.max_num_batched_tokens or 8192,
+                                 c.max_num_seqs or 256, hasher=hash_block)
+        self.worker = SimWorker(wc, cost)
+        self._streams: dict[str, _Stream] = {}
+        self._wake = asyncio.Event()
+        self._kv_events: asyncio.Queue[list[KvEvent]] = asyncio.Queue()
+        self._runner: asyncio.Task[None] | None = None
+        self._t0 = 0.0
+
+    def now(self) -> float:
+        """Simulated seconds since start."""
+        return (asyncio.get_running_loop().time() - self._t0) * self.config.clock_factor
 
     async def start(self) -> EngineSpec:
-        c = self.config
-        return EngineSpec(c.model, c.tokenizer, c.block_size, c.num_kv_blocks, c.max_model_len)
+        self._t0 = asyncio.get_running_loop().time()
+        self._runner = asyncio.create_task(self._run(), name=f"sim-{self.config.worker_id}")
+        wc = self.worker.config
+        return EngineSpec(self.config.model, self.config.tokenizer, wc.block_size, wc.num_kv_blocks,
+                          self.config.max_model_len, self.config.kv_dtype)
 
     async def stop(self) -> None:
-        for state in self._running.values():
-            state.abort()
+        if self._runner is not None:
+            self._runner.cancel()
+            await asyncio.gather(self._runner, return_exceptions=True)
+        for rid in list(self._streams):
+            await self.abort(rid)
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
     ) -> AsyncIterator[EngineOutput]:
-        c = self.config
-        num_prompt = len(prompt_token_ids)
-        state = _Running(num_prompt)
-        self._running[request_id] = state
-        stop_ids = set() if sampling.ignore_eos else set(sampling.stop_token_ids)
-        tokens = sim_token_ids(prompt_token_ids, sampling.seed, sampling.max_tokens)
+        if not prompt_token_ids:
+            raise EngineRequestError("the prompt is empty")
+        if len(prompt_token_ids) + sampling.max_tokens > self.config.max_model_len:
+            raise EngineRequestError(f"{len(prompt_token_ids)} prompt tokens + max_tokens {sampling.max_tokens} "
+                                     f"exceed the model's context of {self.config.max_model_len} tokens")
+        stop_ids = frozenset() if sampling.ignore_eos else frozenset(sampling.stop_token_ids)
+        request = SimRequest(request_id, list(prompt_token_ids), sampling.max_tokens, stop_ids, arrival_t=self.now())
         try:
-            if await state.sleep((c.ttft_ms + c.prefill_us_per_token * num_prompt / 1000.0) / 1000.0):
-                yield EngineOutput([], "abort", num_prompt)
-                return
-            for i, token in enumerate(tokens):
-                if state.aborted:
-                    yield EngineOutput([], "abort", num_prompt)
+            self.worker.add(request, seed=sampling.seed)
+        except ValueError as exc:
+            raise EngineRequestError(str(exc)) from None
+        stream = _Stream(request)
+        self._streams[request_id] = stream
+        self._wake.set()
+        try:
+            while True:
+                out = await stream.outputs.get()
+                yield out
+                if out.finish_reason is not None:
                     return
-                state.num_output_tokens = i + 1
-                if token in stop_ids:
-                    yield EngineOutput([token], "stop", num_prompt)
-                    return
-                last = i + 1 == len(tokens)
-                yield EngineOutput([token], "length" if last else None, num_prompt)
-                if not last and await state.sleep(c.itl_ms / 1000.0):
-                    yield EngineOutput([], "abort", num_prompt)
-                    return
-            if not tokens:
-                yield EngineOutput([], "length", num_prompt)
         finally:
-            self._running.pop(request_id, None)
+            if self._streams.pop(request_id, None) is not None and request.finish_reason is None:
+                self.worker.abort(request_id)  # the consumer went away
 
     async def abort(self, request_id: str) -> None:
-        state = self._running.get(request_id)
-        if state is not None:
-            state.abort()
+        stream = self._streams.get(request_id)
+        if stream is None or stream.request.finish_reason is not None:
+            return
+        self.worker.abort(request_id)
+        self._flush(stream, "abort")
+        self._wake.set()
 
     def load(self) -> EngineLoad:
-        bs = self.config.block_size
-        blocks = sum(math.ceil((s.num_prompt_tokens + s.num_output_tokens) / bs) for s in self._running.values())
-        return EngineLoad(len(self._running), 0, blocks, self.config.num_kv_blocks)
+        return self.worker.load()
+
+    async def kv_events(self) -> AsyncIterator[list[KvEvent]]:
+        while True:
+            yield await self._kv_events.get()
+
+    # ------------------------------------------------------------ the step loop
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        factor = self.config.clock_factor
+        while True:
+            step = self.worker.begin_step(self.now())
+            if step is None:
+                self._publish_kv_events()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            for request, seconds, epoch in step.transfers:
+                loop.call_later(seconds / factor, self._kv_ready, request, epoch)
+            self._publish_kv_events()
+            if step.duration_s > 0:
+                await asyncio.sleep(step.duration_s / factor)
+            for request, token in self.worker.end_step(step, self.now()):
+                stream = self._streams.get(request.request_id)
+                if stream is not None:
+                    stream.pending.append(token)
+                    if request.finish_reason is not None:
+                        self._flush(stream, request.finish_reason)
+                    elif stream.num_sent == 0 or len(stream.pending) >= self.config.stream_interval:
+                        self._flush(stream, None)
+            await asyncio.sleep(0)  # let consumers and the bus run between back-to-back steps
+
+    def _kv_ready(self, request: SimRequest, epoch: int) -> None:
+        self.worker.kv_ready(request, epoch)
+        self._wake.set()
+
+    def _flush(self, stream: _Stream, finish_reason: str | None) -> None:
+        tokens, stream.pending = stream.pending, []
+        stream.num_sent += len(tokens)
+        r = stream.request
+        stream.outputs.put_nowait(EngineOutput(tokens, finish_reason, len(r.prompt_token_ids), r.num_cached_tokens))
+
+    def _publish_kv_events(self) -> None:
+        events = self.worker.pool.drain_events()
+        if events:
+            self._kv_events.put_nowait(events)

@@ -1,0 +1,166 @@
+"""One simulated engine, pure: block pool + scheduler + cost model + seeded token choices.
+
+No clock and no I/O, so the live ``sim`` engine (asyncio, wall clock times a clock
+factor) and the offline discrete-event simulator (loadtests/sim_offline.py) drive the
+very same code::
+
+    worker.add(request)                      # a SimRequest, arrival_t set by the driver
+    step = worker.begin_step(now)            # None when there is nothing to run
+    ... the driver waits step.duration_s (really, or as a simulated event) ...
+    for request, token in worker.end_step(step, now + step.duration_s): ...
+    for request, seconds in step.transfers:  # decode role: pulls of prefilled KV
+        ... after `seconds`: worker.kv_ready(request, epoch) ...
+
+Roles: ``both`` computes prompts and decodes; ``prefill`` computes the prompt and one
+token and then hands the KV over (the request finishes with reason ``remote``);
+``decode`` pulls a request's KV (``remote_kv``) at the link's cost and decodes.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import msgspec
+
+from services.worker.engines.base import EngineLoad
+from services.worker.engines.block_pool import BlockPool, hash_block
+from services.worker.engines.cost_model import CostModel, Profile
+from services.worker.engines.scheduler import ScheduledBatch, Scheduler, SimRequest
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+@dataclass(slots=True)
+class SimWorkerConfig:
+    worker_id: str
+    profile: Profile | None  # None: sizes given here, step times from a cost object given to SimWorker
+    role: str = "both"
+    kv_dtype: str = "fp8"
+    kv_layout: str = "BLHNC"
+    block_size: int = 0  # 0: the profile's
+    num_kv_blocks: int = 0  # 0: what the profile's KV budget holds at this dtype
+    host_kv_blocks: int = -1  # -1: what the profile's host budget holds; 0: no host tier
+    max_num_batched_tokens: int = 0  # 0: the profile's per-step prompt-token budget
+    max_num_seqs: int = 0
+    enable_prefix_caching: bool = True
+    hasher: Callable[[int | None, object, tuple], int] = hash_block
+
+    def __post_init__(self) -> None:
+        assert self.role in ("both", "prefill", "decode"), self.role
+        p = self.profile
+        if p is None:
+            assert self.block_size and self.num_kv_blocks and self.max_num_batched_tokens and self.max_num_seqs
+            self.host_kv_blocks = max(self.host_kv_blocks, 0)
+            return
+        self.block_size = self.block_size or p.block_size
+        self.num_kv_blocks = self.num_kv_blocks or p.num_kv_blocks(self.kv_dtype, self.block_size)
+        if self.host_kv_blocks < 0:
+            self.host_kv_blocks = p.num_host_kv_blocks(self.kv_dtype, self.block_size)
+        self.max_num_batched_tokens = self.max_num_batched_tokens or p.max_num_batched_tokens
+        self.max_num_seqs = self.max_num_seqs or p.max_num_seqs
+
+
+@dataclass(slots=True)
+class Step:
+    batch: ScheduledBatch
+    started_t: float
+    duration_s: float
+    transfers: list[tuple[SimRequest, float, int]] = field(default_factory=list)  # (request, seconds, epoch)
+
+
+def token_rng(prompt_token_ids: list[int], seed: int | None) -> random.Random:
+    """The RNG behind a request's output tokens: same prompt and seed, same tokens."""
+    return random.Random(zlib.crc32(_encoder.encode(prompt_token_ids)) ^ ((seed or 0) * 0x9E3779B1 & 0xFFFFFFFF))
+
+
+class SimWorker:
+    """A simulated engine instance; ``begin_step``/``end_step`` move it forward one batch at a time."""
+
+    def __init__(self, config: SimWorkerConfig, cost: CostModel | None = None) -> None:
+        self.config = config
+        self.worker_id = config.worker_id
+        if cost is None:
+            assert config.profile is not None, "a SimWorker without a profile needs a cost model"
+            cost = CostModel(config.profile, config.kv_dtype)
+        self.cost = cost
+        self.pool = BlockPool(config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                              host_num_blocks=config.host_kv_blocks, hasher=config.hasher)
+        self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, config.max_num_seqs)
+        self._rngs: dict[str, random.Random] = {}
+        self.busy = False  # a step is in flight
+        self.num_steps = 0
+        self.busy_s = 0.0
+
+    # ------------------------------------------------------------ requests
+    def add(self, request: SimRequest, seed: int | None = None) -> None:
+        """Queue a request (ValueError if it could never fit); a prefill worker makes one token only."""
+        if self.config.role == "prefill":
+            request.max_tokens = 1
+        self.scheduler.add(request)
+        self._rngs[request.request_id] = token_rng(request.prompt_token_ids, seed)
+
+    def abort(self, request_id: str) -> SimRequest | None:
+        self._rngs.pop(request_id, None)
+        return self.scheduler.abort(request_id)
+
+    def kv_ready(self, request: SimRequest, epoch: int) -> None:
+        """A KV pull started in a step finished; ignored if the request was preempted or aborted since."""
+        if request.receiving and request.num_preemptions == epoch:
+            self.scheduler.kv_arrived(request)
+
+    @property
+    def has_work(self) -> bool:
+        s = self.scheduler
+        return bool(s.waiting) or any(not r.receiving for r in s.running)
+
+    def load(self) -> EngineLoad:
+        s = self.scheduler
+        return EngineLoad(len(s.running), len(s.waiting), self.pool.num_used_blocks, self.pool.num_blocks)
+
+    # ------------------------------------------------------------ steps
+    def begin_step(self, now: float) -> Step | None:
+        """Schedule one batch at ``now``; None when nothing can run (idle, or waiting on transfers or blocks)."""
+        assert not self.busy, "end_step the previous step first"
+        batch = self.scheduler.schedule()
+        transfers = []
+        cfg = self.config
+        for request, num_tokens in batch.transfers:
+            request.scheduled_t = now if request.scheduled_t is None else request.scheduled_t
+            seconds = self.cost.transfer_time(num_tokens, cfg.block_size, cfg.kv_layout)
+            transfers.append((request, seconds, request.num_preemptions))
+        if not batch.prefills and not batch.decodes and not transfers:
+            return None
+        prefills = []
+        onload_s = 0.0
+        for request, chunk in batch.prefills:
+            if request.scheduled_t is None:
+                request.scheduled_t = now
+                onload_s += self.cost.onload_time(self.pool.host_hit_tokens(request.request_id))
+            prefills.append((chunk, request.num_computed_tokens))
+        decodes = [r.num_computed_tokens for r in batch.decodes]
+        duration = self.cost.step_time(prefills, decodes) + onload_s  # 0.0 when it only started transfers
+        self.busy = True
+        self.num_steps += 1
+        self.busy_s += duration
+        return Step(batch, now, duration, transfers)
+
+    def end_step(self, step: Step, now: float) -> list[tuple[SimRequest, int]]:
+        """Finish a step at ``now``: the (request, token) pairs it produced; finished requests have finish_reason."""
+        self.busy = False
+        produced: list[tuple[SimRequest, int]] = []
+
+        def sample(request: SimRequest) -> int:
+            prompt = request.prompt_token_ids
+            token = prompt[self._rngs[request.request_id].randrange(len(prompt))]
+            produced.append((request, token))
+            request.token_times.append(now)
+            return token
+
+        for request in self.scheduler.postprocess(step.batch, sample):
+            self._rngs.pop(request.request_id, None)
+            if self.config.role == "prefill":
+                request.finish_reason = "remote"
+        return produced
