@@ -125,12 +125,13 @@ class TokenStreamSender:
     async def tokens(self, token_ids: list[int]) -> None:
         await self._send(TokenChunk(self._source_id, self._next_seq(), schema.now(), self._request_id, token_ids))
 
-    async def end(self, finish_reason: str, num_prompt: int, num_cached: int, num_output: int) -> None:
+    async def end(self, finish_reason: str, num_prompt: int, num_cached: int, num_output: int,
+                  kv_transfer: schema.KvTransfer | None = None) -> None:
         self.closed = True
         await self._send(
             StreamEnd(
                 self._source_id, self._next_seq(), schema.now(), self._request_id,
-                finish_reason, num_prompt, num_cached, num_output,  # type: ignore[arg-type]
+                finish_reason, num_prompt, num_cached, num_output, kv_transfer,  # type: ignore[arg-type]
             )
         )
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import time
 from functools import lru_cache
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Struct
 
 Role = Literal["both", "prefill", "decode"]
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "remote"]  # remote: prefilled for a decode worker
 
 
 # ---------------------------------------------------------------- registry
@@ -71,6 +71,7 @@ class RouteRequest(Struct, frozen=True):
 class RouteDecision(Struct, frozen=True, tag="ok"):
     worker_id: str
     num_cached_tokens_expected: int = 0
+    prefill_worker_id: str = ""  # disaggregated: compute the prompt there first, then decode on worker_id
 
 
 class RouteRejected(Struct, frozen=True, tag="rejected"):
@@ -93,6 +94,15 @@ class SamplingParams(Struct, frozen=True):
     frequency_penalty: float = 0.0
 
 
+class KvTransfer(Struct, frozen=True):
+    """A handle to KV a prefill worker computed, for the decode worker to pull."""
+
+    worker_id: str  # the prefill worker holding the KV
+    request_id: str  # its request id there
+    num_tokens: int
+    params: dict[str, Any] = {}  # engine-specific (vLLM's kv_transfer_params)
+
+
 class GenerateRequest(Struct, frozen=True):
     """Sent to ``<ns>.worker.<id>.generate`` with the token stream subject as the NATS reply."""
 
@@ -101,6 +111,7 @@ class GenerateRequest(Struct, frozen=True):
     prompt_token_ids: list[int]
     sampling: SamplingParams
     attempt: int = 0
+    kv_transfer: KvTransfer | None = None  # decode side of a disaggregated request
 
 
 class AbortRequest(Struct, frozen=True):
@@ -124,6 +135,7 @@ class StreamEnd(Struct, frozen=True, tag="end"):
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    kv_transfer: KvTransfer | None = None  # set when finish_reason is "remote"
 
 
 class StreamError(Struct, frozen=True, tag="err"):

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+import msgspec
+
 from services.edge import errors
 from services.edge.config import EdgeConfig
 from services.edge.text import IncrementalDetokenizer, StopStringMatcher
@@ -25,6 +27,11 @@ from shared.schema import (
 )
 
 log = logging.getLogger("infermesh.edge")
+
+
+def _cached(prefill_cached: int | None, decode_cached: int) -> int:
+    """Prompt tokens served from cache: the prefill worker's count when it computed the prompt."""
+    return decode_cached if prefill_cached is None else prefill_cached
 
 
 @dataclass(slots=True)
@@ -106,7 +113,7 @@ class EdgeMesh:
         task.add_done_callback(self._background.discard)
 
     # ------------------------------------------------------------ one request
-    async def route(self, request_id: str, model: str, num_prompt_tokens: int) -> str:
+    async def route(self, request_id: str, model: str, num_prompt_tokens: int) -> RouteDecision:
         try:
             reply = await self.bus.request(
                 self.bus.subjects.route, RouteRequest(request_id, model, num_prompt_tokens), RouteReply,
@@ -115,7 +122,7 @@ class EdgeMesh:
         except BusError as exc:
             raise errors.service_unavailable(f"the router is unavailable: {exc}", "router_unavailable") from exc
         if isinstance(reply, RouteDecision):
-            return reply.worker_id
+            return reply
         if reply.code == "model_not_found":
             raise errors.model_not_found(model)
         raise errors.service_unavailable(reply.message, reply.code)
@@ -125,14 +132,21 @@ class EdgeMesh:
         tokenizer: ModelTokenizer, stop: list[str],
     ) -> AsyncIterator[str | Finished]:
         """Yield text deltas, then one Finished. Raises ApiError before the first token, StreamBroken after."""
-        worker_id = await self.route(request_id, model, len(prompt_token_ids))
+        decision = await self.route(request_id, model, len(prompt_token_ids))
+        worker_id = decision.worker_id
+        kv_transfer, prefill_cached = None, None
+        if decision.prefill_worker_id:
+            prefilled = await self._remote_prefill(decision.prefill_worker_id, request_id, model, prompt_token_ids,
+                                                   sampling)
+            if prefilled is not None and prefilled.kv_transfer is not None:
+                kv_transfer, prefill_cached = prefilled.kv_transfer, prefilled.num_cached_tokens
         stream = self.receiver.open(request_id, worker_id, self.config.first_token_timeout_s,
                                     self.config.inter_token_timeout_s)
         finished = False
         try:
             await self.bus.publish(
                 self.bus.subjects.worker_generate(worker_id),
-                GenerateRequest(request_id, model, prompt_token_ids, sampling),
+                GenerateRequest(request_id, model, prompt_token_ids, sampling, kv_transfer=kv_transfer),
                 reply=self.receiver.subject(request_id),
             )
             detokenizer = IncrementalDetokenizer(tokenizer)
@@ -148,8 +162,9 @@ class EdgeMesh:
                     if hit:
                         end = await self._abort_and_drain(stream)
                         finished = True
-                        yield Finished("stop", len(prompt_token_ids), end.num_cached_tokens if end else 0,
-                                       num_output, worker_id)
+                        yield Finished("stop", len(prompt_token_ids),
+                                       _cached(prefill_cached, end.num_cached_tokens if end else 0), num_output,
+                                       worker_id)
                         return
                 elif isinstance(message, StreamEnd):
                     finished = True
@@ -158,7 +173,8 @@ class EdgeMesh:
                     if text:
                         yield text
                     reason = "stop" if hit else message.finish_reason
-                    yield Finished(reason, len(prompt_token_ids), message.num_cached_tokens, num_output, worker_id)
+                    yield Finished(reason, len(prompt_token_ids), _cached(prefill_cached, message.num_cached_tokens),
+                                   num_output, worker_id)
                     return
                 else:  # finished stays False: the abort is a no-op if the worker ended it, vital on a timeout
                     self._raise_stream_error(message, num_output)
@@ -166,6 +182,39 @@ class EdgeMesh:
             if not finished:  # client left, or we failed: stop the engine; never await in a cancelled scope
                 self._spawn(self._abort(worker_id, request_id))
             self.receiver.close(request_id)
+
+    async def _remote_prefill(self, worker_id: str, request_id: str, model: str, prompt_token_ids: list[int],
+                              sampling: SamplingParams) -> StreamEnd | None:
+        """Have a prefill worker compute the prompt's KV: its end message (with the KV handle), None on failure."""
+        prefill_id = f"{request_id}-prefill"  # no dots: the id ends a subject
+        stream = self.receiver.open(prefill_id, worker_id, self.config.first_token_timeout_s,
+                                    self.config.inter_token_timeout_s)
+        done = False
+        try:
+            await self.bus.publish(
+                self.bus.subjects.worker_generate(worker_id),
+                GenerateRequest(prefill_id, model, prompt_token_ids, msgspec.structs.replace(sampling, max_tokens=1)),
+                reply=self.receiver.subject(prefill_id),
+            )
+            while True:
+                message = await stream.next()
+                if isinstance(message, StreamEnd):
+                    done = True
+                    if message.kv_transfer is None:
+                        log.warning("prefill %s on %s ended %s without a KV handle: prefilling on the decoder",
+                                    prefill_id, worker_id, message.finish_reason)
+                    return message
+                if isinstance(message, StreamError):
+                    done = True
+                    if message.code == "bad_request":
+                        self._raise_stream_error(message, 0)
+                    log.warning("prefill %s failed on %s (%s: %s): prefilling on the decoder", prefill_id,
+                                worker_id, message.code, message.message)
+                    return None
+        finally:
+            if not done:
+                self._spawn(self._abort(worker_id, prefill_id))
+            self.receiver.close(prefill_id)
 
     def _raise_stream_error(self, error: StreamError, num_output: int) -> None:
         log.warning("request %s failed on %s: %s %s", error.request_id, error.source_id, error.code, error.message)

@@ -3,7 +3,9 @@
 A policy only decides which worker a request should use; it does not send it there.
 The first policy is least-loaded: fewest running + waiting requests, counting the
 requests routed since the worker's last load snapshot, ties broken round-robin so
-idle workers share the traffic.
+idle workers share the traffic. When the model has prefill-role workers, the decision
+also names the least-loaded of them: the edge has it compute the prompt's KV, and the
+decode worker pulls that KV instead of computing it.
 """
 
 from __future__ import annotations
@@ -46,8 +48,10 @@ class LoadView:
 class LeastLoadedPolicy:
     name = "least-loaded"
 
-    def __init__(self) -> None:
+    def __init__(self, min_remote_prefill_tokens: int = 1) -> None:
         self._tiebreak = itertools.count()
+        # Prompts shorter than this skip the prefill hop even when prefill workers exist.
+        self.min_remote_prefill_tokens = min_remote_prefill_tokens
 
     def route(self, request: RouteRequest, workers: list[WorkerInfo], loads: LoadView) -> RouteReply:
         for_model = [w for w in workers if w.model == request.model]
@@ -59,8 +63,15 @@ class LeastLoadedPolicy:
         ]
         if not candidates:
             return RouteRejected("no_capacity", f"no eligible worker for model {request.model!r}")
+        chosen = self._least_loaded(candidates, loads)
+        prefillers = [w for w in for_model if w.role == "prefill" and w.worker_id not in request.exclude_worker_ids]
+        if prefillers and request.num_prompt_tokens >= self.min_remote_prefill_tokens:
+            return RouteDecision(chosen, prefill_worker_id=self._least_loaded(prefillers, loads))
+        return RouteDecision(chosen)
+
+    def _least_loaded(self, candidates: list[WorkerInfo], loads: LoadView) -> str:
         least = min(loads.num_requests(w.worker_id) for w in candidates)
         tied = sorted(w.worker_id for w in candidates if loads.num_requests(w.worker_id) == least)
         chosen = tied[next(self._tiebreak) % len(tied)]
         loads.routed(chosen)
-        return RouteDecision(chosen)
+        return chosen

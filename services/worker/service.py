@@ -100,14 +100,15 @@ class WorkerService:
                                  "infermesh.num_prompt_tokens": len(request.prompt_token_ids)})
             num_output = 0
             try:
-                async for out in self.engine.generate(request.request_id, request.prompt_token_ids, request.sampling):
+                async for out in self.engine.generate(request.request_id, request.prompt_token_ids, request.sampling,
+                                                      request.kv_transfer):
                     num_output += len(out.token_ids)
                     if out.token_ids:
                         await stream.tokens(out.token_ids)
                     if out.finish_reason is None:
                         continue
                     await stream.end(out.finish_reason, out.num_prompt_tokens or len(request.prompt_token_ids),
-                                     out.num_cached_tokens, num_output)
+                                     out.num_cached_tokens, num_output, out.kv_transfer)
                     span.set_attributes({"infermesh.finish_reason": out.finish_reason,
                                          "infermesh.num_cached_tokens": out.num_cached_tokens,
                                          "infermesh.num_output_tokens": num_output})

@@ -64,7 +64,33 @@ def test_rejected(workers, req, code):
 )
 def test_least_loaded_chosen(workers, snapshots, req, chosen):
     reply = LeastLoadedPolicy().route(req, workers, view(*snapshots))
-    assert reply == RouteDecision(chosen)
+    assert isinstance(reply, RouteDecision) and reply.worker_id == chosen
+
+
+@pytest.mark.parametrize(
+    "workers, snapshots, num_prompt, min_remote, decision",
+    [
+        # no prefill workers: aggregated
+        ([worker("a"), worker("b", role="decode")], [snap("a", 1)], 10, 1, RouteDecision("b")),
+        # a prefill pool: the least-loaded prefill worker computes the prompt
+        ([worker("p1", role="prefill"), worker("p2", role="prefill"), worker("d", role="decode")],
+         [snap("p1", 3), snap("p2", 1)], 10, 1, RouteDecision("d", prefill_worker_id="p2")),
+        # short prompts skip the prefill hop
+        ([worker("p1", role="prefill"), worker("d", role="decode")], [], 10, 64, RouteDecision("d")),
+        ([worker("p1", role="prefill"), worker("d", role="decode")], [], 64, 64, RouteDecision("d", prefill_worker_id="p1")),
+        # another model's prefill workers are not used
+        ([worker("p1", role="prefill", model="x"), worker("d", role="decode")], [], 10, 1, RouteDecision("d")),
+    ],
+)
+def test_prefill_worker_paired_when_the_model_has_a_prefill_pool(workers, snapshots, num_prompt, min_remote,
+                                                                 decision):
+    req = RouteRequest(request_id="r", model="m", num_prompt_tokens=num_prompt)
+    assert LeastLoadedPolicy(min_remote_prefill_tokens=min_remote).route(req, workers, view(*snapshots)) == decision
+
+
+def test_excluded_prefill_worker_is_not_paired():
+    workers = [worker("p1", role="prefill"), worker("d", role="decode")]
+    assert LeastLoadedPolicy().route(request(exclude=["p1"]), workers, LoadView()) == RouteDecision("d")
 
 
 def test_ties_spread_round_robin():

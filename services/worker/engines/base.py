@@ -16,7 +16,7 @@ import abc
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from shared.schema import KvEvent, SamplingParams
+from shared.schema import KvEvent, KvTransfer, SamplingParams
 
 
 class EngineRequestError(ValueError):
@@ -43,6 +43,7 @@ class EngineOutput:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    kv_transfer: KvTransfer | None = None  # a prefill worker's handle to the KV it computed
 
 
 @dataclass(slots=True, frozen=True)
@@ -66,7 +67,8 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+        kv_transfer: KvTransfer | None = None,
     ) -> AsyncIterator[EngineOutput]: ...
 
     @abc.abstractmethod

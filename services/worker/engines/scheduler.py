@@ -55,7 +55,8 @@ class SimRequest:
 
     @property
     def num_tokens_to_prefill(self) -> int:
-        return len(self.token_ids) if self.output_token_ids else len(self.prompt_token_ids)
+        """len(token_ids) when resumed after preemption, else the prompt length (no list built: this is hot)."""
+        return len(self.prompt_token_ids) + max(len(self.output_token_ids) - 1, 0)
 
     @property
     def is_prefilling(self) -> bool:

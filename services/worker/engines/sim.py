@@ -24,7 +24,7 @@ from services.worker.engines.block_pool import hash_block
 from services.worker.engines.cost_model import CostModel, load_profile
 from services.worker.engines.scheduler import SimRequest
 from services.worker.engines.sim_worker import SimWorker, SimWorkerConfig, token_rng
-from shared.schema import KvEvent, SamplingParams
+from shared.schema import KvEvent, KvTransfer, SamplingParams
 
 
 @dataclass(slots=True)
@@ -131,7 +131,8 @@ class SimEngine(Engine):
             await self.abort(rid)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+        kv_transfer: KvTransfer | None = None,
     ) -> AsyncIterator[EngineOutput]:
         if not prompt_token_ids:
             raise EngineRequestError("the prompt is empty")
@@ -139,7 +140,8 @@ class SimEngine(Engine):
             raise EngineRequestError(f"{len(prompt_token_ids)} prompt tokens + max_tokens {sampling.max_tokens} "
                                      f"exceed the model's context of {self.config.max_model_len} tokens")
         stop_ids = frozenset() if sampling.ignore_eos else frozenset(sampling.stop_token_ids)
-        request = SimRequest(request_id, list(prompt_token_ids), sampling.max_tokens, stop_ids, arrival_t=self.now())
+        request = SimRequest(request_id, list(prompt_token_ids), sampling.max_tokens, stop_ids, arrival_t=self.now(),
+                             remote_kv=kv_transfer is not None)
         try:
             self.worker.add(request, seed=sampling.seed)
         except ValueError as exc:
@@ -206,7 +208,11 @@ class SimEngine(Engine):
         tokens, stream.pending = stream.pending, []
         stream.num_sent += len(tokens)
         r = stream.request
-        stream.outputs.put_nowait(EngineOutput(tokens, finish_reason, len(r.prompt_token_ids), r.num_cached_tokens))
+        handle = None
+        if finish_reason == "remote":
+            handle = KvTransfer(self.config.worker_id, r.request_id, len(r.prompt_token_ids))
+        stream.outputs.put_nowait(EngineOutput(tokens, finish_reason, len(r.prompt_token_ids), r.num_cached_tokens,
+                                               handle))
 
     def _publish_kv_events(self) -> None:
         events = self.worker.pool.drain_events()

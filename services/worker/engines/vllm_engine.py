@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from services.worker.engines.base import Engine, EngineLoad, EngineOutput, EngineRequestError, EngineSpec
-from shared.schema import SamplingParams
+from shared.schema import KvTransfer, SamplingParams
 
 log = logging.getLogger("infermesh.worker.vllm")
 
@@ -109,7 +109,8 @@ class VllmEngine(Engine):
         )
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+        kv_transfer: KvTransfer | None = None,  # disaggregation for vLLM comes with the NIXL connector
     ) -> AsyncIterator[EngineOutput]:
         from vllm.exceptions import VLLMValidationError
         from vllm.inputs import tokens_input

@@ -1,0 +1,232 @@
+"""Offline discrete-event simulation of a fleet of sim engines: no bus, no wall clock.
+
+The engines are the live ``sim`` engine's own pure core (services/worker/engines/
+sim_worker.py: block pool, scheduler, cost model); only time differs. Events sit in one
+heap ordered by simulated time::
+
+    arrival  -> route (prefill pool when disaggregated, else serving pool) -> worker.add -> kick
+    step_end -> worker.end_step: tokens recorded; a finished prefill hands its request to
+                its decode worker (remote KV); a finished request feeds the workload's
+                closed loop (next agent turn) -> kick
+    kv_ready -> worker.kv_ready (a KV pull landed) -> kick
+    kick     -> if idle: worker.begin_step(now) -> step_end at now + step time,
+                kv_ready at now + each transfer's time
+
+A whole run is deterministic for a given workload seed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable
+
+from loadtests.report import RequestRecord
+from loadtests.workloads import Arrival, Workload
+from services.worker.engines.block_pool import fast_hash_block
+from services.worker.engines.cost_model import Profile
+from services.worker.engines.scheduler import SimRequest
+from services.worker.engines.sim_worker import SimWorker, SimWorkerConfig
+
+
+@dataclass(slots=True)
+class FleetConfig:
+    """A fleet: ``num_workers`` serving workers (role both), or a P/D split when ``num_prefill`` > 0."""
+
+    profile: Profile
+    num_workers: int = 8  # decode workers when disaggregated
+    num_prefill: int = 0
+    policy: str = "session"  # round_robin | least_loaded | session
+    kv_dtype: str = "fp8"
+    kv_layout: str = "BLHNC"
+    block_size: int = 0
+    max_num_batched_tokens: int = 0  # per-step prompt-token budget of workers that prefill (0: profile's)
+    decode_max_num_batched_tokens: int = 0
+    max_num_seqs: int = 0
+    num_kv_blocks: int = 0
+    host_kv: bool = False
+    seed: int = 0
+    label: str = ""
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_workers + self.num_prefill
+
+
+class Router:
+    """Pick a worker from a pool: round robin, least loaded, or sticky per session (re-pinned when overloaded)."""
+
+    def __init__(self, policy: str, workers: list[SimWorker], load: Callable[[SimWorker], float]) -> None:
+        assert policy in ("round_robin", "least_loaded", "session"), policy
+        self.policy = policy
+        self.workers = workers
+        self.load = load
+        self._next = itertools.count()
+        self._pins: dict[str, SimWorker] = {}
+        self.num_repins = 0
+
+    def pick(self, session_id: str | None) -> SimWorker:
+        if self.policy == "round_robin":
+            return self.workers[next(self._next) % len(self.workers)]
+        loads = [self.load(w) for w in self.workers]
+        least = min(loads)
+        tied = [w for w, x in zip(self.workers, loads) if x == least]
+        least_loaded = tied[next(self._next) % len(tied)]
+        if self.policy == "least_loaded" or session_id is None:
+            return least_loaded
+        pinned = self._pins.get(session_id)
+        if pinned is not None and self.load(pinned) <= 2 * least + 8:
+            return pinned
+        if pinned is not None:
+            self.num_repins += 1
+        self._pins[session_id] = least_loaded
+        return least_loaded
+
+
+def _queued_requests(worker: SimWorker) -> float:
+    s = worker.scheduler
+    return len(s.running) + len(s.waiting)
+
+
+def _queued_prefill_tokens(worker: SimWorker) -> float:
+    s = worker.scheduler
+    return (sum(len(r.prompt_token_ids) for r in s.waiting)
+            + sum(r.num_tokens_to_prefill - r.num_computed_tokens for r in s.running))
+
+
+@dataclass(slots=True)
+class _Client:
+    """What the client of one request sees, across its prefill and decode legs."""
+
+    arrival: Arrival
+    record: RequestRecord
+    decode_worker: SimWorker | None = None
+
+
+@dataclass
+class FleetResult:
+    records: list[RequestRecord]
+    duration_s: float
+    num_events: int
+    worker_busy: dict[str, float] = field(default_factory=dict)
+    num_repins: int = 0
+
+
+class FleetSim:
+    def __init__(self, config: FleetConfig) -> None:
+        self.config = config
+        c = config
+
+        def make(i: int, role: str, budget: int) -> SimWorker:
+            return SimWorker(SimWorkerConfig(
+                worker_id=f"{role}-{i}", profile=c.profile, role=role, kv_dtype=c.kv_dtype,
+                kv_layout=c.kv_layout, block_size=c.block_size, num_kv_blocks=c.num_kv_blocks,
+                host_kv_blocks=-1 if c.host_kv else 0, max_num_batched_tokens=budget,
+                max_num_seqs=c.max_num_seqs, hasher=fast_hash_block))
+
+        disaggregated = c.num_prefill > 0
+        decode_budget = c.decode_max_num_batched_tokens if disaggregated else c.max_num_batched_tokens
+        self.decoders = [make(i, "decode" if disaggregated else "both", decode_budget) for i in range(c.num_workers)]
+        self.prefillers = [make(i, "prefill", c.max_num_batched_tokens) for i in range(c.num_prefill)]
+        self.decode_router = Router(c.policy, self.decoders, _queued_requests)
+        self.prefill_router = Router(c.policy, self.prefillers, _queued_prefill_tokens) if disaggregated else None
+        self._heap: list[tuple[float, int, str, object]] = []
+        self._seq = itertools.count()
+        self._clients: dict[str, _Client] = {}
+        self.now = 0.0
+
+    # ------------------------------------------------------------ events
+    def _push(self, t: float, kind: str, payload: object) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), kind, payload))
+
+    def run(self, workload: Workload, until_s: float = float("inf")) -> FleetResult:
+        for arrival in workload.start():
+            self._push(arrival.t, "arrival", arrival)
+        num_events = 0
+        while self._heap:
+            t, _, kind, payload = heapq.heappop(self._heap)
+            if t > until_s:
+                break
+            self.now = t
+            num_events += 1
+            if kind == "arrival":
+                self._arrive(payload, workload)  # type: ignore[arg-type]
+            elif kind == "step_end":
+                worker, step = payload  # type: ignore[misc]
+                self._step_end(worker, step, workload)
+            else:
+                worker, request, epoch = payload  # type: ignore[misc]
+                worker.kv_ready(request, epoch)
+                self._kick(worker)
+        records = [client.record for client in self._clients.values()]
+        busy = {w.worker_id: w.busy_s for w in self.prefillers + self.decoders}
+        repins = self.decode_router.num_repins + (self.prefill_router.num_repins if self.prefill_router else 0)
+        return FleetResult(records, self.now, num_events, busy, repins)
+
+    def _arrive(self, arrival: Arrival, workload: Workload) -> None:
+        record = RequestRecord(request_id=arrival.request_id, kind=arrival.kind, session_id=arrival.session_id,
+                               arrival_t=arrival.t, scheduled_t=None, first_token_t=None, finish_t=None,
+                               token_times=[], num_prompt_tokens=len(arrival.prompt_token_ids),
+                               num_cached_tokens=0)
+        client = _Client(arrival, record)
+        self._clients[arrival.request_id] = client
+        decoder = self.decode_router.pick(arrival.session_id)
+        if self.prefill_router is not None:
+            client.decode_worker = decoder
+            worker = self.prefill_router.pick(arrival.session_id)
+        else:
+            worker = decoder
+        self._submit(worker, SimRequest(arrival.request_id, arrival.prompt_token_ids, arrival.max_tokens,
+                                        arrival_t=self.now), client, workload)
+
+    def _submit(self, worker: SimWorker, request: SimRequest, client: _Client, workload: Workload) -> None:
+        try:
+            worker.add(request, seed=self.config.seed)
+        except ValueError as exc:
+            client.record.error = f"too_long: {exc}"
+            client.record.finish_t = self.now
+            self._complete(client, [], workload)
+            return
+        self._kick(worker)
+
+    def _complete(self, client: _Client, output_token_ids: list[int], workload: Workload) -> None:
+        for follow_up in workload.on_complete(client.arrival, output_token_ids, self.now):
+            self._push(max(follow_up.t, self.now), "arrival", follow_up)
+
+    def _kick(self, worker: SimWorker) -> None:
+        if worker.busy:
+            return
+        step = worker.begin_step(self.now)
+        if step is None:
+            return
+        self._push(self.now + step.duration_s, "step_end", (worker, step))
+        for request, seconds, epoch in step.transfers:
+            self._push(self.now + seconds, "kv_ready", (worker, request, epoch))
+
+    def _step_end(self, worker: SimWorker, step: object, workload: Workload) -> None:
+        for request, token in worker.end_step(step, self.now):  # type: ignore[arg-type]
+            client = self._clients[request.request_id]
+            record = client.record
+            if record.scheduled_t is None:
+                record.scheduled_t = request.scheduled_t
+                record.num_cached_tokens = request.num_cached_tokens
+                record.worker_id = worker.worker_id
+            if request.finish_reason == "remote":
+                self._hand_to_decoder(request, client, workload)
+                continue
+            if record.first_token_t is None:
+                record.first_token_t = self.now
+            record.token_times.append(self.now)
+            if request.finish_reason is not None:
+                record.finish_t = self.now
+                self._complete(client, request.output_token_ids, workload)
+        self._kick(worker)
+
+    def _hand_to_decoder(self, prefilled: SimRequest, client: _Client, workload: Workload) -> None:
+        decoder = client.decode_worker
+        assert decoder is not None
+        request = SimRequest(prefilled.request_id, prefilled.prompt_token_ids, client.arrival.max_tokens,
+                             remote_kv=True, arrival_t=prefilled.arrival_t, scheduled_t=prefilled.scheduled_t)
+        client.record.worker_id = f"{client.record.worker_id}>{decoder.worker_id}"
+        self._submit(decoder, request, client, workload)
