@@ -48,6 +48,8 @@ class FleetConfig:
     host_kv: bool = False
     seed: int = 0
     label: str = ""
+    cost: Callable[[], object] | None = None  # a step-time model per worker instead of the profile's roofline
+
 
     @property
     def num_gpus(self) -> int:
@@ -123,7 +125,7 @@ class FleetSim:
                 worker_id=f"{role}-{i}", profile=c.profile, role=role, kv_dtype=c.kv_dtype,
                 kv_layout=c.kv_layout, block_size=c.block_size, num_kv_blocks=c.num_kv_blocks,
                 host_kv_blocks=-1 if c.host_kv else 0, max_num_batched_tokens=budget,
-                max_num_seqs=c.max_num_seqs, hasher=fast_hash_block))
+                max_num_seqs=c.max_num_seqs, hasher=fast_hash_block), c.cost() if c.cost else None)
 
         disaggregated = c.num_prefill > 0
         decode_budget = c.decode_max_num_batched_tokens if disaggregated else c.max_num_batched_tokens
