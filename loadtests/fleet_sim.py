@@ -9,7 +9,9 @@ heap ordered by simulated time::
                 its decode worker (remote KV); a finished request feeds the workload's
                 closed loop (next agent turn) -> kick
     kv_ready -> worker.kv_ready (a KV pull landed) -> kick
-    kick     -> if idle: worker.begin_step(now) -> step_end at now + step time,
+    kick     -> once every event at this instant is handled (so requests arriving together
+                share a batch, as an engine's input queue would give them):
+                if idle: worker.begin_step(now) -> step_end at now + step time,
                 kv_ready at now + each transfer's time
 
 A whole run is deterministic for a given workload seed.
@@ -125,7 +127,8 @@ class FleetSim:
                 worker_id=f"{role}-{i}", profile=c.profile, role=role, kv_dtype=c.kv_dtype,
                 kv_layout=c.kv_layout, block_size=c.block_size, num_kv_blocks=c.num_kv_blocks,
                 host_kv_blocks=-1 if c.host_kv else 0, max_num_batched_tokens=budget,
-                max_num_seqs=c.max_num_seqs, hasher=fast_hash_block), c.cost() if c.cost else None)
+                max_num_seqs=c.max_num_seqs, hasher=fast_hash_block, record_events=False),
+                c.cost() if c.cost else None)
 
         disaggregated = c.num_prefill > 0
         decode_budget = c.decode_max_num_batched_tokens if disaggregated else c.max_num_batched_tokens
@@ -136,6 +139,7 @@ class FleetSim:
         self._heap: list[tuple[float, int, str, object]] = []
         self._seq = itertools.count()
         self._clients: dict[str, _Client] = {}
+        self._to_start: dict[str, SimWorker] = {}
         self.now = 0.0
 
     # ------------------------------------------------------------ events
@@ -161,6 +165,8 @@ class FleetSim:
                 worker, request, epoch = payload  # type: ignore[misc]
                 worker.kv_ready(request, epoch)
                 self._kick(worker)
+            if not self._heap or self._heap[0][0] > t:
+                self._start_steps()  # every event at time t is in before idle workers pick their next batch
         records = [client.record for client in self._clients.values()]
         busy = {w.worker_id: w.busy_s for w in self.prefillers + self.decoders}
         repins = self.decode_router.num_repins + (self.prefill_router.num_repins if self.prefill_router else 0)
@@ -197,14 +203,20 @@ class FleetSim:
             self._push(max(follow_up.t, self.now), "arrival", follow_up)
 
     def _kick(self, worker: SimWorker) -> None:
-        if worker.busy:
-            return
-        step = worker.begin_step(self.now)
-        if step is None:
-            return
-        self._push(self.now + step.duration_s, "step_end", (worker, step))
-        for request, seconds, epoch in step.transfers:
-            self._push(self.now + seconds, "kv_ready", (worker, request, epoch))
+        """Mark a worker to start its next step once every event of this instant is handled."""
+        self._to_start[worker.worker_id] = worker
+
+    def _start_steps(self) -> None:
+        to_start, self._to_start = self._to_start, {}
+        for worker in to_start.values():
+            if worker.busy:
+                continue
+            step = worker.begin_step(self.now)
+            if step is None:
+                continue
+            self._push(self.now + step.duration_s, "step_end", (worker, step))
+            for request, seconds, epoch in step.transfers:
+                self._push(self.now + seconds, "kv_ready", (worker, request, epoch))
 
     def _step_end(self, worker: SimWorker, step: object, workload: Workload) -> None:
         for request, token in worker.end_step(step, self.now):  # type: ignore[arg-type]

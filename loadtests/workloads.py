@@ -84,6 +84,10 @@ class AgentSessions:
     every token count (system prompt, per-turn input, output, history cap, cold prompt), so the shape
     (turn count, cached fraction) is the same at any scale. The defaults give ~21 turns per session.
 
+    Steady state (``steady_until_s``): the initial sessions join part-way through their history (a
+    random share of it, uncached at first), and a session that ends before steady_until_s is replaced
+    by a new one, so num_sessions stay active; measure after a warm-up of a few turns.
+
     Cold requests are fresh random prompts of cold_prompt_tokens arriving as a Poisson process at
     cold_rate_per_s: until cold_until_s if given (all emitted by start), else until every session is
     done. In the second case they are emitted on the fly, up to cold_lookahead_s ahead of the latest
@@ -95,7 +99,7 @@ class AgentSessions:
                  output_tokens: int = 300, system_prompt_tokens: int = 3000, cold_rate_per_s: float = 0.0,
                  cold_prompt_tokens: int = 30_000, cold_until_s: float | None = None,
                  cold_lookahead_s: float = 30.0, vocab_size: int = 150_000, seed: int = 0,
-                 stagger_s: float = 10.0) -> None:
+                 stagger_s: float = 10.0, steady_until_s: float | None = None) -> None:
         assert num_sessions >= 0 and scale > 0 and vocab_size > 0
         assert turns is None or turns >= 1
         self.num_sessions, self.turns, self.seed, self.vocab_size = num_sessions, turns, seed, vocab_size
@@ -105,6 +109,9 @@ class AgentSessions:
         self.num_system_tokens = self._scaled(system_prompt_tokens, scale)
         self.num_cold_tokens = self._scaled(cold_prompt_tokens, scale)
         self.think_time_s, self.stagger_s = think_time_s, stagger_s
+        self.steady_until_s = steady_until_s
+        self._num_started = 0
+        self._system: list[int] = []
         self.cold_rate_per_s, self.cold_until_s, self.cold_lookahead_s = cold_rate_per_s, cold_until_s, cold_lookahead_s
         self._sessions: dict[str, _Session] = {}
         self._num_active = 0
@@ -128,21 +135,36 @@ class AgentSessions:
     def start(self) -> list[Arrival]:
         assert not self._started, "start() is called once"
         self._started = True
-        system = random_tokens(random.Random(f"{self.seed}:system"), self.num_system_tokens, self.vocab_size)
+        self._system = random_tokens(random.Random(f"{self.seed}:system"), self.num_system_tokens, self.vocab_size)
         arrivals = []
-        for i in range(self.num_sessions):
-            rng = random.Random(f"{self.seed}:session:{i}")
-            t = rng.uniform(0.0, self.stagger_s) if self.stagger_s > 0 else 0.0
-            prompt = system + random_tokens(rng, self._num_new_tokens(rng), self.vocab_size)
-            session = _Session(f"s{i}", rng, prompt)
-            self._sessions[session.session_id] = session
-            arrivals.append(Arrival(t, f"s{i}-t0", prompt, self._max_tokens(rng), session.session_id, "turn", 0))
+        for _ in range(self.num_sessions):
+            arrivals.append(self._new_session(None))
         self._num_active = self.num_sessions
         if self.cold_until_s is not None:
             arrivals += self._emit_cold(self.cold_until_s, 0.0)
         elif self._num_active:
             arrivals += self._emit_cold(self.cold_lookahead_s, 0.0)
         return sorted(arrivals, key=lambda a: a.t)
+
+    def _new_session(self, t: float | None) -> Arrival:
+        """Session number n: at t=None one of the initial ones (staggered start and, with steady_until_s,
+        already some turns into its history, so the run starts near steady state); else a replacement
+        starting its first turn a think time after t."""
+        i = self._num_started
+        self._num_started += 1
+        rng = random.Random(f"{self.seed}:session:{i}")
+        prompt = self._system + random_tokens(rng, self._num_new_tokens(rng), self.vocab_size)
+        if t is None:
+            start = rng.uniform(0.0, self.stagger_s) if self.stagger_s > 0 else 0.0
+            if self.steady_until_s is not None:  # join mid-session: history grown by a random number of turns
+                room = max(0, self.num_history_tokens - len(prompt))
+                grown = int(rng.uniform(0, 0.9) * room)
+                prompt += random_tokens(rng, grown, self.vocab_size)
+        else:
+            start = t + (rng.expovariate(1.0 / self.think_time_s) if self.think_time_s > 0 else 0.0)
+        session = _Session(f"s{i}", rng, prompt)
+        self._sessions[session.session_id] = session
+        return Arrival(start, f"s{i}-t0", prompt, self._max_tokens(rng), session.session_id, "turn", 0)
 
     def on_complete(self, arrival: Arrival, output_token_ids: list[int], t: float) -> list[Arrival]:
         arrivals = []
@@ -151,7 +173,11 @@ class AgentSessions:
             follow_up = self._next_turn(session, output_token_ids, t)
             if follow_up is None:
                 session.done = True
-                self._num_active -= 1
+                del self._sessions[session.session_id]  # its history is no longer needed
+                if self.steady_until_s is not None and t < self.steady_until_s:
+                    arrivals.append(self._new_session(t))  # keep num_sessions going
+                else:
+                    self._num_active -= 1
             else:
                 arrivals.append(follow_up)
         if self.cold_until_s is None and self._num_active:

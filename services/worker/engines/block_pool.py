@@ -97,10 +97,11 @@ class BlockPool:
 
     __slots__ = ("num_blocks", "block_size", "enable_prefix_caching", "medium", "hasher", "host_num_blocks",
                  "_ref_counts", "_block_id_to_hash", "_block_id_to_content", "_hash_to_block_id",
-                 "_uncached_free_ids", "_evictable_ids", "_host_hashes", "_requests", "_events")
+                 "_uncached_free_ids", "_evictable_ids", "_host_hashes", "_requests", "_events", "record_events")
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 medium: str = "GPU", hasher: Hasher = hash_block, host_num_blocks: int = 0) -> None:
+                 medium: str = "GPU", hasher: Hasher = hash_block, host_num_blocks: int = 0,
+                 record_events: bool = True) -> None:
         assert num_blocks > 0 and block_size > 0 and host_num_blocks >= 0
         assert not host_num_blocks or medium != HOST_MEDIUM, "the host tier needs a device medium other than CPU"
         self.num_blocks = num_blocks
@@ -109,6 +110,7 @@ class BlockPool:
         self.medium = medium
         self.hasher = hasher
         self.host_num_blocks = host_num_blocks
+        self.record_events = record_events  # off in the offline simulator, which never reads them
         self._ref_counts = [0] * num_blocks
         self._block_id_to_hash: list[int | None] = [None] * num_blocks
         # (parent hash, tokens) of each cached block, kept only with a host tier, to announce its write-back
@@ -246,7 +248,7 @@ class BlockPool:
         self._evictable_ids.clear()
         self._hash_to_block_id.clear()
         self._host_hashes.clear()
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and self.record_events:
             self._events.append(AllBlocksCleared())
         return True
 
@@ -292,11 +294,12 @@ class BlockPool:
             assert block_hash is not None
             del self._hash_to_block_id[block_hash]
             self._block_id_to_hash[block_id] = None
-            self._events.append(BlockRemoved(block_hashes=[block_hash], medium=self.medium))
+            if self.record_events:
+                self._events.append(BlockRemoved(block_hashes=[block_hash], medium=self.medium))
             if self.host_num_blocks:
                 content, self._block_id_to_content[block_id] = self._block_id_to_content[block_id], None
-                assert content is not None
-                self._write_back(block_hash, *content)
+                assert content is not None or not self.record_events
+                self._write_back(block_hash, *(content or (None, [])))
         assert self._ref_counts[block_id] == 0
         self._ref_counts[block_id] = 1
         return block_id
@@ -308,10 +311,13 @@ class BlockPool:
             return
         if len(self._host_hashes) >= self.host_num_blocks:
             dropped, _ = self._host_hashes.popitem(last=False)
-            self._events.append(BlockRemoved(block_hashes=[dropped], medium=HOST_MEDIUM))
+            if self.record_events:
+                self._events.append(BlockRemoved(block_hashes=[dropped], medium=HOST_MEDIUM))
         self._host_hashes[block_hash] = None
-        self._events.append(BlockStored(block_hashes=[block_hash], parent_block_hash=parent_hash, token_ids=token_ids,
-                                        block_size=self.block_size, lora_id=None, medium=HOST_MEDIUM))
+        if self.record_events:
+            self._events.append(BlockStored(block_hashes=[block_hash], parent_block_hash=parent_hash,
+                                            token_ids=token_ids, block_size=self.block_size, lora_id=None,
+                                            medium=HOST_MEDIUM))
 
     def _fill_blocks(self, request: _Request, first_index: int, token_ids: list[int],
                      known_hashes: Sequence[int] = ()) -> None:
@@ -334,7 +340,7 @@ class BlockPool:
             else:
                 self._hash_to_block_id[block_hash] = block_id
                 self._block_id_to_hash[block_id] = block_hash
-                if self.host_num_blocks:
+                if self.host_num_blocks and self.record_events:
                     self._block_id_to_content[block_id] = (request.last_hash, block_tokens)
                 run_hashes.append(block_hash)
             request.last_hash = block_hash
@@ -342,6 +348,6 @@ class BlockPool:
         request.tail_token_ids = token_ids[num_full * size:]
 
     def _flush_stored(self, parent_hash: int | None, hashes: list[int], token_ids: list[int]) -> None:
-        if hashes:
+        if hashes and self.record_events:
             self._events.append(BlockStored(block_hashes=hashes, parent_block_hash=parent_hash, token_ids=token_ids,
                                             block_size=self.block_size, lora_id=None, medium=self.medium))

@@ -47,6 +47,7 @@ class SimWorkerConfig:
     max_num_seqs: int = 0
     enable_prefix_caching: bool = True
     hasher: Callable[[int | None, object, tuple], int] = hash_block
+    record_events: bool = True  # KV events for the bus; the offline simulator turns them off
 
     def __post_init__(self) -> None:
         assert self.role in ("both", "prefill", "decode"), self.role
@@ -87,7 +88,8 @@ class SimWorker:
             cost = CostModel(config.profile, config.kv_dtype)
         self.cost = cost
         self.pool = BlockPool(config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                              host_num_blocks=config.host_kv_blocks, hasher=config.hasher)
+                              host_num_blocks=config.host_kv_blocks, hasher=config.hasher,
+                              record_events=config.record_events)
         self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, config.max_num_seqs)
         self._rngs: dict[str, random.Random] = {}
         self.busy = False  # a step is in flight
@@ -141,7 +143,8 @@ class SimWorker:
                 onload_s += self.cost.onload_time(self.pool.host_hit_tokens(request.request_id))
             prefills.append((chunk, request.num_computed_tokens))
         decodes = [r.num_computed_tokens for r in batch.decodes]
-        duration = self.cost.step_time(prefills, decodes) + onload_s  # 0.0 when it only started transfers
+        # a step that only started KV pulls computes nothing and takes no time
+        duration = self.cost.step_time(prefills, decodes) + onload_s if prefills or decodes else 0.0
         self.busy = True
         self.num_steps += 1
         self.busy_s += duration
