@@ -110,12 +110,14 @@ def pd_ratio(setup: Setup, max_decoders: int = 6, ttft_p90_ms: float = 3000.0) -
     """(d) P:D 1:1..1:6: the most sessions per prefill group meeting 100 tok/s/user and a TTFT bound."""
     configs = {}
     for k in range(1, max_decoders + 1):
-        best = None  # the session count grows by steps of 8 until a target is missed (the figures are monotone)
-        for sessions in range(8, 200, 8):
-            summary = run(f"1:{k} with {sessions} sessions", fleet(num_prefill=1, num_workers=k), sessions, setup)
-            if not meets_targets(summary, ttft_p90_ms):
-                break
-            best = summary
+        lo, hi, best = 1, 7 * k, None  # bisect on sessions / 4: the largest count meeting the targets
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            summary = run(f"1:{k} with {4 * mid} sessions", fleet(num_prefill=1, num_workers=k), 4 * mid, setup)
+            if meets_targets(summary, ttft_p90_ms):
+                best, lo = summary, mid + 1
+            else:
+                hi = mid - 1
         if best is None:
             continue
         best["sessions_per_gpu"] = best["sessions"] / (k + 1)
