@@ -38,6 +38,7 @@ def test_summary_figures_with_known_answers():
     assert s["ttft_p99_ms"] == pytest.approx(100 + 200 * 0.99)
     assert s["itl_p50_ms"] == pytest.approx(15.0)  # pooled gaps 10, 10, 20, 20
     assert s["itl_p90_ms"] == pytest.approx(20.0)
+    assert s["tpot_p50_ms"] == pytest.approx(15.0)  # per-request mean gaps 10 and 20
     assert s["queue_wait_p50_ms"] == pytest.approx(75.0)
     assert s["user_e2e_tok_s_mean"] == pytest.approx((3 / 0.12 + 3 / 0.34) / 2)
     assert s["user_e2e_tok_s_p50"] == pytest.approx((3 / 0.12 + 3 / 0.34) / 2)
@@ -102,3 +103,12 @@ def test_write_report_json_png_and_table(tmp_path):
     lines = table.strip().splitlines()
     assert len(lines) == 2 + 3 and lines[0].startswith("| config |") and "TTFT p50 ms" in lines[0]
     assert lines[2].startswith("| kv-aware | 3 | 1 | 200 |") and "40.0" in lines[2]  # prefix hit 40 %
+
+
+def test_one_long_stall_moves_tpot_not_pooled_itl():
+    # nine requests stream evenly; the tenth waits 500 ms once (a decode behind a prefill chunk)
+    even = [record(f"r{i}", 0.0, 0.0, [0.1 + 0.01 * k for k in range(11)], prompt=10, cached=0) for i in range(9)]
+    stalled = record("s", 0.0, 0.0, [0.1] + [0.6 + 0.01 * k for k in range(10)], prompt=10, cached=0)
+    s = summarize(even + [stalled], num_gpus=1)
+    assert s["itl_p90_ms"] == pytest.approx(10.0)
+    assert s["tpot_p99_ms"] > 50.0 > s["tpot_p50_ms"]
