@@ -2,6 +2,8 @@
 
     infermesh up [--engine vllm|sim] [--workers N] [--model NAME] [--model-path DIR]
                  [--http-port P] [--nats-url URL] [--namespace NS]
+    infermesh up --sim-decoders N [--sim-prefill M] [--sim-profile NAME] [--sim-clock-factor X]
+                 [--sim-stream-interval K] [--sim-engines-per-process P] --model NAME --model-path DIR
     infermesh prepare-model [--tiny DIR]
 """
 
@@ -22,7 +24,8 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     up = commands.add_parser("up", help="run the whole mesh on this machine")
-    up.add_argument("--engine", choices=["vllm", "sim"], default="vllm")
+    up.add_argument("--engine", choices=["vllm", "sim"], default=None,
+                    help="default: vllm, or sim with --sim-decoders/--sim-prefill")
     up.add_argument("--workers", type=int, default=1, help="number of workers (vllm: at most one per core)")
     up.add_argument("--model", default=DEFAULT_MODEL, help="served model name")
     up.add_argument("--model-path", default="", help="model folder (default: Gemma 3 270M, converted once)")
@@ -34,6 +37,15 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--kv-cache-gib", type=float, default=1.0, help="vLLM CPU KV cache per worker")
     up.add_argument("--sim-ttft-ms", type=float, default=20.0)
     up.add_argument("--sim-itl-ms", type=float, default=10.0)
+    fleet = up.add_argument_group("simulated fleet (sim engine)")
+    fleet.add_argument("--sim-decoders", type=int, default=0,
+                       help="serving sim engines instead of --workers (role decode when --sim-prefill > 0)")
+    fleet.add_argument("--sim-prefill", type=int, default=0, help="prefill-role sim engines")
+    fleet.add_argument("--sim-profile", default="", help="step-time profile, e.g. gb200-glm53 (default: fixed timings)")
+    fleet.add_argument("--sim-clock-factor", type=float, default=1.0, help="simulated seconds per real second")
+    fleet.add_argument("--sim-stream-interval", type=int, default=1, help="tokens per streamed message")
+    fleet.add_argument("--sim-engines-per-process", type=int, default=1,
+                       help="sim engines sharing one worker process")
     up.add_argument("--state-dir", default="", help="logs and NATS store (default: a new temp folder)")
     up.add_argument("--ready-timeout", type=float, default=600.0)
 
@@ -54,11 +66,15 @@ def main(argv: list[str] | None = None) -> int:
         from infermesh.up import MeshOptions, run_mesh
 
         key = os.environ.get("INFERMESH_DEV_KEY") or f"im-dev-{secrets.token_urlsafe(18)}"
+        fleet = args.sim_decoders > 0 or args.sim_prefill > 0
         options = MeshOptions(
-            engine=args.engine, num_workers=args.workers, model=args.model, model_path=args.model_path,
+            engine=args.engine or ("sim" if fleet else "vllm"), num_workers=args.workers, model=args.model, model_path=args.model_path,
             host=args.host, http_port=args.http_port, nats_url=args.nats_url, namespace=args.namespace,
             max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, sim_ttft_ms=args.sim_ttft_ms,
             sim_itl_ms=args.sim_itl_ms, state_dir=args.state_dir, dev_key=key, ready_timeout_s=args.ready_timeout,
+            sim_decoders=args.sim_decoders, sim_prefill=args.sim_prefill, sim_profile=args.sim_profile,
+            sim_clock_factor=args.sim_clock_factor, sim_stream_interval=args.sim_stream_interval,
+            sim_engines_per_process=args.sim_engines_per_process,
         )
         return run_mesh(options)
     return 2

@@ -32,6 +32,81 @@ class MeshOptions:
     state_dir: str = ""
     dev_key: str = ""
     ready_timeout_s: float = 600.0
+    # A simulated fleet (sim engine only): serving and prefill engines, packed several per process.
+    sim_decoders: int = 0  # > 0: replaces num_workers; role decode (both when sim_prefill is 0)
+    sim_prefill: int = 0  # prefill-role engines; the router pairs one with each request
+    sim_profile: str = ""  # a step-time profile (services/worker/engines/profiles); "" = fixed timings
+    sim_clock_factor: float = 1.0  # simulated seconds per real second
+    sim_stream_interval: int = 1  # tokens per streamed message
+    sim_engines_per_process: int = 1
+
+    @property
+    def is_fleet(self) -> bool:
+        return self.sim_decoders > 0 or self.sim_prefill > 0
+
+    @property
+    def total_workers(self) -> int:
+        return self.sim_decoders + self.sim_prefill if self.is_fleet else self.num_workers
+
+    def check(self) -> None:
+        """SystemExit on options that cannot work together."""
+        if self.is_fleet and self.engine != "sim":
+            raise SystemExit("--sim-decoders/--sim-prefill run the sim engine; drop --engine vllm")
+        if self.sim_prefill > 0 and self.sim_decoders <= 0:
+            raise SystemExit("--sim-prefill needs --sim-decoders: prefill workers hand their KV to decoders")
+        if self.sim_engines_per_process < 1 or self.sim_stream_interval < 1 or self.sim_clock_factor <= 0:
+            raise SystemExit("--sim-engines-per-process and --sim-stream-interval must be >= 1, "
+                             "--sim-clock-factor > 0")
+        if self.engine == "vllm" and self.num_workers > 2:
+            raise SystemExit("at most two vLLM CPU engines run on this machine; use --engine sim for fleets")
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerProcess:
+    """One worker process: its name in the process group, worker id, role and number of engines.
+
+    With one engine the worker id is ``worker_id``; with several, ``<worker_id>-<i>``.
+    """
+
+    name: str
+    worker_id: str
+    role: str
+    num_engines: int
+
+
+def worker_processes(options: MeshOptions) -> list[WorkerProcess]:
+    """The worker processes ``up`` starts: today's ``worker-<i>`` (id ``<engine>-<i>``) with one engine each,
+    or sim engines packed ``sim_engines_per_process`` to a process (``worker-decode-<j>``, ``worker-prefill-<j>``)."""
+    per = options.sim_engines_per_process if options.engine == "sim" else 1
+    if options.is_fleet:
+        pools = [("decode", "decode" if options.sim_prefill else "both", options.sim_decoders),
+                 ("prefill", "prefill", options.sim_prefill)]
+    else:
+        pools = [("", "both", options.num_workers)]
+    out = []
+    for pool, role, count in pools:
+        for j, first in enumerate(range(0, count, per)):
+            if pool:
+                out.append(WorkerProcess(f"worker-{pool}-{j}", f"{pool}-{j}", role, min(per, count - first)))
+            else:
+                out.append(WorkerProcess(f"worker-{j}", f"{options.engine}-{j}", role, min(per, count - first)))
+    return out
+
+
+def _sim_args(options: MeshOptions, process: WorkerProcess) -> list[str]:
+    """Sim engine flags; those left at their defaults are not passed (the worker's defaults apply)."""
+    args = ["--sim-ttft-ms", str(options.sim_ttft_ms), "--sim-itl-ms", str(options.sim_itl_ms)]
+    if options.sim_profile:
+        args += ["--sim-profile", options.sim_profile]
+    if options.sim_clock_factor != 1.0:
+        args += ["--sim-clock-factor", repr(options.sim_clock_factor)]
+    if options.sim_stream_interval != 1:
+        args += ["--sim-stream-interval", str(options.sim_stream_interval)]
+    if process.role != "both":
+        args += ["--role", process.role]
+    if process.num_engines > 1:
+        args += ["--num-engines", str(process.num_engines)]
+    return args
 
 
 def _say(message: str) -> None:
@@ -57,7 +132,8 @@ def _ready(url: str) -> dict[str, object] | None:
         return None
 
 
-def _start(group: ProcessGroup, options: MeshOptions, model_path: str, state: Path) -> str:
+def start_processes(group: ProcessGroup, options: MeshOptions, model_path: str, state: Path) -> str:
+    """Start NATS (unless options.nats_url), router, workers and edge in ``group``; returns the NATS URL."""
     nats_url = options.nats_url
     if not nats_url:
         port = free_port()
@@ -68,20 +144,21 @@ def _start(group: ProcessGroup, options: MeshOptions, model_path: str, state: Pa
         _say(f"NATS with JetStream on {nats_url}")
     env = {"INFERMESH_NATS_URL": nats_url, "INFERMESH_NAMESPACE": options.namespace}
     group.python_service("router", "services.router", [], env)
-    for i in range(options.num_workers):
-        args = ["--worker-id", f"{options.engine}-{i}", "--engine", options.engine, "--model", options.model,
+    for i, process in enumerate(worker_processes(options)):
+        args = ["--worker-id", process.worker_id, "--engine", options.engine, "--model", options.model,
                 "--model-path", model_path, "--max-model-len", str(options.max_model_len)]
         if options.engine == "vllm":
             args += ["--cpu-core", str(i), "--kv-cache-gib", str(options.kv_cache_gib)]
         else:
-            args += ["--sim-ttft-ms", str(options.sim_ttft_ms), "--sim-itl-ms", str(options.sim_itl_ms)]
-        group.python_service(f"worker-{i}", "services.worker", args, env)
+            args += _sim_args(options, process)
+        group.python_service(process.name, "services.worker", args, env)
     group.python_service("edge", "services.edge", ["--host", options.host, "--http-port", str(options.http_port)],
                          {**env, "INFERMESH_DEV_KEY": options.dev_key})
     return nats_url
 
 
-def _wait_ready(group: ProcessGroup, options: MeshOptions, stop: threading.Event) -> bool:
+def wait_ready(group: ProcessGroup, options: MeshOptions, stop: threading.Event) -> bool:
+    """True once the edge is ready with every worker registered; False if a process died, on timeout or stop."""
     url = f"http://{options.host}:{options.http_port}/ready"
     deadline = time.monotonic() + options.ready_timeout_s
     last = -1
@@ -95,18 +172,28 @@ def _wait_ready(group: ProcessGroup, options: MeshOptions, stop: threading.Event
         status = _ready(url) or {}
         workers = int(status.get("workers", 0))  # type: ignore[arg-type]
         if workers != last:
-            _say(f"waiting for workers: {workers}/{options.num_workers} registered"
+            _say(f"waiting for workers: {workers}/{options.total_workers} registered"
                  + (" (vLLM loads the model, ~30-60 s)" if options.engine == "vllm" and workers == 0 else ""))
             last = workers
-        if status.get("status") == "ready" and workers >= options.num_workers:
+        if status.get("status") == "ready" and workers >= options.total_workers:
             return True
         stop.wait(0.25)
     return False
 
 
+def _describe_workers(options: MeshOptions) -> str:
+    processes = worker_processes(options)
+    if not options.is_fleet:
+        return f"{options.engine} x {options.num_workers}" + (
+            f" in {len(processes)} processes" if len(processes) != options.num_workers else "")
+    prefill = f" + {options.sim_prefill} prefill" if options.sim_prefill else ""
+    profile = f", profile {options.sim_profile}" if options.sim_profile else ""
+    return (f"sim: {options.sim_decoders} {'decode' if options.sim_prefill else 'serving'}{prefill} in "
+            f"{len(processes)} processes{profile}, clock x{options.sim_clock_factor:g}")
+
+
 def run_mesh(options: MeshOptions) -> int:
-    if options.engine == "vllm" and options.num_workers > 2:
-        raise SystemExit("at most two vLLM CPU engines run on this machine; use --engine sim for fleets")
+    options.check()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -114,8 +201,8 @@ def run_mesh(options: MeshOptions) -> int:
     group = ProcessGroup(state / "logs")
     try:
         model_path = _resolve_model_path(options)
-        _start(group, options, model_path, state)
-        if not _wait_ready(group, options, stop):
+        start_processes(group, options, model_path, state)
+        if not wait_ready(group, options, stop):
             if not stop.is_set():
                 _say(f"the mesh did not become ready; logs in {group.log_dir}")
                 return 1
@@ -123,7 +210,7 @@ def run_mesh(options: MeshOptions) -> int:
         base_url = f"http://{options.host}:{options.http_port}/v1"
         _say("ready")
         print(f"\n  base URL : {base_url}\n  API key  : {options.dev_key}\n  model    : {options.model}"
-              f"\n  engine   : {options.engine} x {options.num_workers}\n  logs     : {group.log_dir}\n"
+              f"\n  engine   : {_describe_workers(options)}\n  logs     : {group.log_dir}\n"
               f"\n  python -c \"from openai import OpenAI; c = OpenAI(base_url='{base_url}', api_key='{options.dev_key}');"
               f" print(c.chat.completions.create(model='{options.model}', messages=[{{'role': 'user', 'content': 'Hi'}}],"
               f" max_tokens=32).choices[0].message.content)\"\n\n  Ctrl-C stops everything.\n", flush=True)

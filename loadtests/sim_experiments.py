@@ -113,7 +113,7 @@ def pd_ratio(setup: Setup, max_decoders: int = 6, ttft_p90_ms: float = 3000.0) -
     """(d) P:D 1:1..1:6: the most sessions per prefill group meeting 100 tok/s/user and a TTFT bound."""
     configs = {}
     for k in range(1, max_decoders + 1):
-        lo, hi, best = 1, 7 * k, None  # bisect on sessions / 4: the largest count meeting the targets
+        lo, hi, best = 1, 24, None  # bisect on sessions / 4 (4..96): the largest count meeting the targets
         while lo <= hi:
             mid = (lo + hi) // 2
             summary = run(f"1:{k} with {4 * mid} sessions", fleet(num_prefill=1, num_workers=k), 4 * mid, setup)
