@@ -51,6 +51,10 @@ class FleetConfig:
     seed: int = 0
     label: str = ""
     cost: Callable[[], object] | None = None  # a step-time model per worker instead of the profile's roofline
+    # Attention-DP ranks of one wide-EP instance step in lockstep (the MoE all-to-all joins them): a group's
+    # step lasts as long as its slowest rank's. 1 = independent workers.
+    prefill_dp_group: int = 1
+    decode_dp_group: int = 1
 
 
     @property
@@ -140,6 +144,13 @@ class FleetSim:
         self._seq = itertools.count()
         self._clients: dict[str, _Client] = {}
         self._to_start: dict[str, SimWorker] = {}
+        self._groups: dict[str, list[SimWorker]] = {}
+        for pool, size in ((self.decoders, c.decode_dp_group), (self.prefillers, c.prefill_dp_group)):
+            assert size >= 1 and len(pool) % size == 0, "a pool must split into whole DP groups"
+            for i in range(0, len(pool), size):
+                for worker in pool[i:i + size]:
+                    self._groups[worker.worker_id] = pool[i:i + size]
+        self._busy_groups: set[str] = set()  # by their first rank's id
         self.now = 0.0
 
     # ------------------------------------------------------------ events
@@ -159,8 +170,12 @@ class FleetSim:
             if kind == "arrival":
                 self._arrive(payload, workload)  # type: ignore[arg-type]
             elif kind == "step_end":
-                worker, step = payload  # type: ignore[misc]
-                self._step_end(worker, step, workload)
+                group, steps = payload  # type: ignore[misc]
+                self._busy_groups.discard(group[0].worker_id)
+                for worker, step in steps:
+                    self._step_end(worker, step, workload)
+                for worker in group:
+                    self._kick(worker)
             else:
                 worker, request, epoch = payload  # type: ignore[misc]
                 worker.kv_ready(request, epoch)
@@ -207,16 +222,24 @@ class FleetSim:
         self._to_start[worker.worker_id] = worker
 
     def _start_steps(self) -> None:
+        """Start the next step of every kicked, idle DP group (a lone worker is a group of one)."""
         to_start, self._to_start = self._to_start, {}
         for worker in to_start.values():
-            if worker.busy:
+            group = self._groups[worker.worker_id]
+            key = group[0].worker_id
+            if key in self._busy_groups:
                 continue
-            step = worker.begin_step(self.now)
-            if step is None:
-                continue
-            self._push(self.now + step.duration_s, "step_end", (worker, step))
-            for request, seconds, epoch in step.transfers:
-                self._push(self.now + seconds, "kv_ready", (worker, request, epoch))
+            steps = []
+            for member in group:
+                step = member.begin_step(self.now)
+                if step is None:
+                    continue
+                steps.append((member, step))
+                for request, seconds, epoch in step.transfers:
+                    self._push(self.now + seconds, "kv_ready", (member, request, epoch))
+            if steps:
+                self._busy_groups.add(key)
+                self._push(self.now + max(step.duration_s for _, step in steps), "step_end", (group, steps))
 
     def _step_end(self, worker: SimWorker, step: object, workload: Workload) -> None:
         for request, token in worker.end_step(step, self.now):  # type: ignore[arg-type]
@@ -235,7 +258,6 @@ class FleetSim:
             if request.finish_reason is not None:
                 record.finish_t = self.now
                 self._complete(client, request.output_token_ids, workload)
-        self._kick(worker)
 
     def _hand_to_decoder(self, prefilled: SimRequest, client: _Client, workload: Workload) -> None:
         decoder = client.decode_worker

@@ -74,11 +74,17 @@ def publish(name: str, title: str, configs: dict[str, dict], notes: dict, comman
 
 
 # ---------------------------------------------------------------- the experiments
-def budget(setup: Setup, sessions: int = 52) -> tuple[dict, dict]:
-    """(a) Per-GPU prefill token budget 8K vs 4K on prefill workers, 1P:4D, prefix-heavy agent traffic."""
-    configs = {f"prefill budget {b}": run(f"budget {b}", fleet(num_prefill=1, num_workers=4,
-                                                                max_num_batched_tokens=b), sessions, setup)
-               for b in (8192, 4096)}
+def budget(setup: Setup, sessions_per_rank: int = 52, ranks: int = 4) -> tuple[dict, dict]:
+    """(a) Per-GPU prefill token budget 8K vs 4K, prefix-heavy agent traffic, prefill on one 4-GPU
+    attention-DP instance (its ranks step in lockstep, the wide-EP MoE joins them) and 8 decoders;
+    the same with independent prefill GPUs as the control."""
+    sessions = sessions_per_rank * ranks
+    configs = {}
+    for group, name in ((ranks, "DP4 lockstep"), (1, "independent")):
+        for b in (8192, 4096):
+            configs[f"{name}, budget {b}"] = run(
+                f"{name} budget {b}", fleet(num_prefill=ranks, num_workers=2 * ranks, max_num_batched_tokens=b,
+                                            prefill_dp_group=group), sessions, setup)
     return configs, {"sessions": sessions, "seed": "median queue wait 550 -> 110 ms, TTFT about -20%"}
 
 

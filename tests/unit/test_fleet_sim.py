@@ -101,3 +101,15 @@ def test_closed_loop_agent_sessions_run_every_turn_and_hit_the_cache() -> None:
     assert all(r.error is None and r.finish_t is not None for r in result.records)
     later = [r for r in result.records if not r.request_id.endswith("-t0")]
     assert sum(r.num_cached_tokens for r in later) / sum(r.num_prompt_tokens for r in later) > 0.5
+
+
+def test_dp_ranks_in_lockstep_wait_for_the_slowest_rank() -> None:
+    # two prefill-heavy requests on two ranks: alone, the short one finishes its prefill early;
+    # in one DP group both ranks' steps last as long as the long prompt's
+    arrivals = [arrival(0, n=400, max_tokens=2), arrival(1, n=40, max_tokens=2)]
+    alone = {r.request_id: r for r in FleetSim(config(num_workers=2, policy="round_robin")).run(Fixed(arrivals)).records}
+    grouped = {r.request_id: r for r in FleetSim(config(num_workers=2, policy="round_robin", decode_dp_group=2))
+               .run(Fixed(list(arrivals))).records}
+    assert alone["r1"].first_token_t == pytest.approx(0.010 + 0.040)
+    assert grouped["r1"].first_token_t == pytest.approx(0.010 + 0.400) == grouped["r0"].first_token_t
+    assert grouped["r1"].token_times[1] - grouped["r1"].token_times[0] == pytest.approx(0.010)
