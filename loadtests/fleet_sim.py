@@ -65,9 +65,11 @@ class FleetConfig:
 class Router:
     """Pick a worker from a pool: round robin, least loaded, or sticky per session (re-pinned when overloaded)."""
 
-    def __init__(self, policy: str, workers: list[SimWorker], load: Callable[[SimWorker], float]) -> None:
+    def __init__(self, policy: str, workers: list[SimWorker], load: Callable[[SimWorker], float],
+                 slack: float) -> None:
         assert policy in ("round_robin", "least_loaded", "session"), policy
         self.policy = policy
+        self.slack = slack  # a pinned worker keeps its session while its load <= 2 x the least + slack
         self.workers = workers
         self.load = load
         self._next = itertools.count()
@@ -84,7 +86,7 @@ class Router:
         if self.policy == "least_loaded" or session_id is None:
             return least_loaded
         pinned = self._pins.get(session_id)
-        if pinned is not None and self.load(pinned) <= 2 * least + 8:
+        if pinned is not None and self.load(pinned) <= 2 * least + self.slack:
             return pinned
         if pinned is not None:
             self.num_repins += 1
@@ -138,8 +140,10 @@ class FleetSim:
         decode_budget = c.decode_max_num_batched_tokens if disaggregated else c.max_num_batched_tokens
         self.decoders = [make(i, "decode" if disaggregated else "both", decode_budget) for i in range(c.num_workers)]
         self.prefillers = [make(i, "prefill", c.max_num_batched_tokens) for i in range(c.num_prefill)]
-        self.decode_router = Router(c.policy, self.decoders, _queued_requests)
-        self.prefill_router = Router(c.policy, self.prefillers, _queued_prefill_tokens) if disaggregated else None
+        self.decode_router = Router(c.policy, self.decoders, _queued_requests, slack=8)
+        # prefill load is queued prompt tokens: a few turns' worth of slack (a turn is ~6K new tokens)
+        self.prefill_router = (Router(c.policy, self.prefillers, _queued_prefill_tokens, slack=32_768)
+                               if disaggregated else None)
         self._heap: list[tuple[float, int, str, object]] = []
         self._seq = itertools.count()
         self._clients: dict[str, _Client] = {}

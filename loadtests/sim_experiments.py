@@ -74,7 +74,7 @@ def publish(name: str, title: str, configs: dict[str, dict], notes: dict, comman
 
 
 # ---------------------------------------------------------------- the experiments
-def budget(setup: Setup, sessions_per_rank: int = 52, ranks: int = 4) -> tuple[dict, dict]:
+def budget(setup: Setup, sessions_per_rank: int = 40, ranks: int = 4) -> tuple[dict, dict]:
     """(a) Per-GPU prefill token budget 8K vs 4K, prefix-heavy agent traffic, prefill on one 4-GPU
     attention-DP instance (its ranks step in lockstep, the wide-EP MoE joins them) and 8 decoders;
     the same with independent prefill GPUs as the control."""

@@ -113,3 +113,20 @@ def test_dp_ranks_in_lockstep_wait_for_the_slowest_rank() -> None:
     assert alone["r1"].first_token_t == pytest.approx(0.010 + 0.040)
     assert grouped["r1"].first_token_t == pytest.approx(0.010 + 0.400) == grouped["r0"].first_token_t
     assert grouped["r1"].token_times[1] - grouped["r1"].token_times[0] == pytest.approx(0.010)
+
+
+def test_sessions_stay_on_their_prefill_worker_under_ordinary_load() -> None:
+    # regression: the re-pin slack was 8 units for every pool, so prefill sessions (load in queued
+    # tokens) bounced between prefill workers and lost their cached prefixes
+    arrivals = []
+    for turn in range(3):
+        order = [0, 1, 2, 3] if turn == 0 else [0, 2, 1, 3]  # s2 arrives while its worker still prefills s0
+        for i, s in enumerate(order):
+            arrivals.append(Arrival(turn * 5.0 + i * 0.001, f"s{s}-t{turn}", list(range(s * 10_000, s * 10_000 + 300)),
+                                    2, f"s{s}"))
+    sim = FleetSim(config(num_workers=2, num_prefill=2, policy="session"))
+    result = sim.run(Fixed(arrivals))
+    prefill_of = {}
+    for r in result.records:
+        prefill_of.setdefault(r.session_id, set()).add(r.worker_id.split(">")[0])
+    assert all(len(workers) == 1 for workers in prefill_of.values()) and sim.prefill_router.num_repins == 0
