@@ -99,12 +99,6 @@ def _queued_requests(worker: SimWorker) -> float:
     return len(s.running) + len(s.waiting)
 
 
-def _queued_prefill_tokens(worker: SimWorker) -> float:
-    s = worker.scheduler
-    return (sum(len(r.prompt_token_ids) for r in s.waiting)
-            + sum(r.num_tokens_to_prefill - r.num_computed_tokens for r in s.running))
-
-
 @dataclass(slots=True)
 class _Client:
     """What the client of one request sees, across its prefill and decode legs."""
@@ -141,8 +135,9 @@ class FleetSim:
         self.decoders = [make(i, "decode" if disaggregated else "both", decode_budget) for i in range(c.num_workers)]
         self.prefillers = [make(i, "prefill", c.max_num_batched_tokens) for i in range(c.num_prefill)]
         self.decode_router = Router(c.policy, self.decoders, _queued_requests, slack=8)
-        # prefill load is queued prompt tokens: a few turns' worth of slack (a turn is ~6K new tokens)
-        self.prefill_router = (Router(c.policy, self.prefillers, _queued_prefill_tokens, slack=32_768)
+        # Prefill load is requests queued or prefilling there: a queued prompt's token count would mostly
+        # be its cached history, so it says little about the work left.
+        self.prefill_router = (Router(c.policy, self.prefillers, _queued_requests, slack=4)
                                if disaggregated else None)
         self._heap: list[tuple[float, int, str, object]] = []
         self._seq = itertools.count()

@@ -34,6 +34,7 @@ class Setup:
     measure_s: float = 600.0
     scale: float = 1.0
     seed: int = 1
+    output_tokens: int = 300  # mean answer length per turn
 
     @property
     def until_s(self) -> float:
@@ -43,7 +44,7 @@ class Setup:
 def run(label: str, config: FleetConfig, num_sessions: int, setup: Setup) -> dict:
     """One configuration on the agent traffic: its summary (figures after the warm-up)."""
     workload = AgentSessions(num_sessions, think_time_s=THINK_S, stagger_s=setup.warmup_s, steady_until_s=None,
-                             scale=setup.scale, seed=setup.seed)
+                             scale=setup.scale, seed=setup.seed, output_tokens=setup.output_tokens)
     started = time.perf_counter()
     result = FleetSim(config).run(workload, until_s=setup.until_s)
     summary = summarize([r for r in result.records if r.finish_t is not None or r.error],
@@ -148,8 +149,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("experiment", choices=[*EXPERIMENTS, "all"])
     parser.add_argument("--quick", action="store_true", help="a short, scaled-down run (smoke test)")
     parser.add_argument("--no-write", action="store_true", help="print figures, write no report")
+    parser.add_argument("--output-tokens", type=int, default=300, help="mean answer length per turn")
     args = parser.parse_args(argv)
     setup = Setup(warmup_s=60, measure_s=60, scale=0.1) if args.quick else Setup()
+    setup.output_tokens = args.output_tokens
+    suffix = "" if args.output_tokens == 300 else f"_out{args.output_tokens}"
     names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
     for name in names:
         title, experiment = EXPERIMENTS[name]
@@ -157,8 +161,11 @@ def main(argv: list[str] | None = None) -> None:
         configs, notes = experiment(setup)
         notes.update(setup=dataclasses.asdict(setup), think_time_s=THINK_S, profile="gb200-glm53")
         if not args.no_write:
-            publish(name.replace("-", "_"), title, configs, notes,
-                    f"python -m loadtests.sim_experiments {name}" + (" --quick" if args.quick else ""))
+            command = f"python -m loadtests.sim_experiments {name}" + (" --quick" if args.quick else "")
+            if suffix:
+                command += f" --output-tokens {args.output_tokens}"
+            publish(name.replace("-", "_") + suffix, title + (f", {args.output_tokens}-token answers" if suffix else ""),
+                    configs, notes, command)
 
 
 if __name__ == "__main__":
