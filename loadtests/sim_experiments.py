@@ -35,6 +35,7 @@ class Setup:
     scale: float = 1.0
     seed: int = 1
     output_tokens: int = 300  # mean answer length per turn
+    ratios: tuple[int, ...] = (1, 2, 3, 4, 5, 6)  # decoders per prefill worker, for the ratio sweep
 
     @property
     def until_s(self) -> float:
@@ -116,10 +117,10 @@ def meets_targets(summary: dict, ttft_p90_ms: float) -> bool:
             and summary["ttft_p90_ms"] <= ttft_p90_ms)
 
 
-def pd_ratio(setup: Setup, max_decoders: int = 6, ttft_p90_ms: float = 3000.0) -> tuple[dict, dict]:
+def pd_ratio(setup: Setup, ttft_p90_ms: float = 3000.0) -> tuple[dict, dict]:
     """(d) P:D 1:1..1:6: the most sessions per prefill group meeting 100 tok/s/user and a TTFT bound."""
     configs = {}
-    for k in range(1, max_decoders + 1):
+    for k in setup.ratios:
         lo, hi, best = 1, 24, None  # bisect on sessions / 4 (4..96): the largest count meeting the targets
         while lo <= hi:
             mid = (lo + hi) // 2
@@ -150,9 +151,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="a short, scaled-down run (smoke test)")
     parser.add_argument("--no-write", action="store_true", help="print figures, write no report")
     parser.add_argument("--output-tokens", type=int, default=300, help="mean answer length per turn")
+    parser.add_argument("--ratios", default="1,2,3,4,5,6", help="ratio sweep: decoders per prefill worker")
     args = parser.parse_args(argv)
     setup = Setup(warmup_s=60, measure_s=60, scale=0.1) if args.quick else Setup()
     setup.output_tokens = args.output_tokens
+    setup.ratios = tuple(int(k) for k in args.ratios.split(","))
     suffix = "" if args.output_tokens == 300 else f"_out{args.output_tokens}"
     names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
     for name in names:
@@ -164,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
             command = f"python -m loadtests.sim_experiments {name}" + (" --quick" if args.quick else "")
             if suffix:
                 command += f" --output-tokens {args.output_tokens}"
+            if args.ratios != "1,2,3,4,5,6":
+                command += f" --ratios {args.ratios}"
             publish(name.replace("-", "_") + suffix, title + (f", {args.output_tokens}-token answers" if suffix else ""),
                     configs, notes, command)
 
