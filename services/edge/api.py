@@ -82,7 +82,7 @@ class EdgeApi:
         body, (prompt, sampling) = self._validated(request, CompletionRequest, validate_completion)
         info, tokenizer = await self._model(body.model)
         prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        if any(not 0 <= t < tokenizer.vocab_size for t in prompt_ids):
+        if prompt_ids and (min(prompt_ids) < 0 or max(prompt_ids) >= tokenizer.vocab_size):
             raise errors.invalid_request(f"Token ids in 'prompt' must be in [0, {tokenizer.vocab_size}).", "prompt")
         return await self._serve(request, "text", body, prompt_ids, sampling, tokenizer, info.max_model_len)
 

@@ -49,7 +49,7 @@ class LeastLoadedPolicy:
     name = "least-loaded"
 
     def __init__(self, min_remote_prefill_tokens: int = 1) -> None:
-        self._tiebreak = itertools.count()
+        self._tiebreaks = {"serve": itertools.count(), "prefill": itertools.count()}  # one per pool
         # Prompts shorter than this skip the prefill hop even when prefill workers exist.
         self.min_remote_prefill_tokens = min_remote_prefill_tokens
 
@@ -63,15 +63,15 @@ class LeastLoadedPolicy:
         ]
         if not candidates:
             return RouteRejected("no_capacity", f"no eligible worker for model {request.model!r}")
-        chosen = self._least_loaded(candidates, loads)
+        chosen = self._least_loaded(candidates, loads, "serve")
         prefillers = [w for w in for_model if w.role == "prefill" and w.worker_id not in request.exclude_worker_ids]
         if prefillers and request.num_prompt_tokens >= self.min_remote_prefill_tokens:
-            return RouteDecision(chosen, prefill_worker_id=self._least_loaded(prefillers, loads))
+            return RouteDecision(chosen, prefill_worker_id=self._least_loaded(prefillers, loads, "prefill"))
         return RouteDecision(chosen)
 
-    def _least_loaded(self, candidates: list[WorkerInfo], loads: LoadView) -> str:
+    def _least_loaded(self, candidates: list[WorkerInfo], loads: LoadView, pool: str) -> str:
         least = min(loads.num_requests(w.worker_id) for w in candidates)
         tied = sorted(w.worker_id for w in candidates if loads.num_requests(w.worker_id) == least)
-        chosen = tied[next(self._tiebreak) % len(tied)]
+        chosen = tied[next(self._tiebreaks[pool]) % len(tied)]
         loads.routed(chosen)
         return chosen

@@ -185,3 +185,10 @@ async def test_first_token_timeout_is_a_503_and_aborts_the_engine(nats_url, name
         assert worker.load_snapshot().num_aborted_total == 1
     finally:
         await mesh.stop()
+
+
+@pytest.mark.parametrize("prompt", [[1, 2, 10**9], [-1, 5]])
+async def test_token_ids_outside_the_vocabulary_are_rejected(client, prompt):
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    assert info.value.body["param"] == "prompt" and "Token ids" in info.value.body["message"]

@@ -129,6 +129,8 @@ def test_completion_accepted(fields, prompt, max_tokens):
         ({"prompt": [[1, "a"]]}, "prompt"),
         ({"prompt": [[1], [2]]}, "prompt"),
         ({"prompt": [True]}, "prompt"),
+        ({"prompt": [[1, True]]}, "prompt"),
+        ({"prompt": [1, 2.0]}, "prompt"),
         ({"prompt": 5}, "prompt"),
         ({"echo": True}, "echo"),
         ({"suffix": "end"}, "suffix"),

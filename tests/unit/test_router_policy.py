@@ -144,3 +144,13 @@ def test_forget_drops_a_worker():
     assert "a" not in loads.snapshots and "a" not in loads.routed_since_snapshot
     assert loads.num_requests("a") == 0
     assert loads.num_requests("b") == 1
+
+
+def test_idle_decode_and_prefill_pools_each_spread_over_all_their_workers():
+    # regression: one tie-break counter served both picks of a route, advancing by 2 per request,
+    # so each pool with an even number of tied workers only ever got every other worker
+    policy = LeastLoadedPolicy()
+    workers = [worker(f"d{i}", role="decode") for i in range(4)] + [worker(f"p{i}", role="prefill") for i in range(4)]
+    decisions = [policy.route(request(), workers, LoadView()) for _ in range(8)]
+    assert Counter(d.worker_id for d in decisions) == {f"d{i}": 2 for i in range(4)}
+    assert Counter(d.prefill_worker_id for d in decisions) == {f"p{i}": 2 for i in range(4)}
