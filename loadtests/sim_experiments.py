@@ -36,6 +36,7 @@ class Setup:
     seed: int = 1
     output_tokens: int = 300  # mean answer length per turn
     ratios: tuple[int, ...] = (1, 2, 3, 4, 5, 6)  # decoders per prefill worker, for the ratio sweep
+    sessions: tuple[int, ...] = ()  # ratio sweep: run these session counts instead of bisecting
 
     @property
     def until_s(self) -> float:
@@ -121,6 +122,12 @@ def pd_ratio(setup: Setup, ttft_p90_ms: float = 3000.0) -> tuple[dict, dict]:
     """(d) P:D 1:1..1:6: the most sessions per prefill group meeting 100 tok/s/user and a TTFT bound."""
     configs = {}
     for k in setup.ratios:
+        if setup.sessions:  # fixed points instead of a search: every run is reported
+            for n in setup.sessions:
+                summary = run(f"1:{k} with {n} sessions", fleet(num_prefill=1, num_workers=k), n, setup)
+                summary.update(sessions_per_gpu=n / (k + 1), meets_targets=meets_targets(summary, ttft_p90_ms))
+                configs[f"1:{k}, {n} sessions"] = summary
+            continue
         lo, hi, best = 1, 24, None  # bisect on sessions / 4 (4..96): the largest count meeting the targets
         while lo <= hi:
             mid = (lo + hi) // 2
@@ -152,10 +159,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-write", action="store_true", help="print figures, write no report")
     parser.add_argument("--output-tokens", type=int, default=300, help="mean answer length per turn")
     parser.add_argument("--ratios", default="1,2,3,4,5,6", help="ratio sweep: decoders per prefill worker")
+    parser.add_argument("--sessions", default="", help="ratio sweep: fixed session counts instead of a search")
     args = parser.parse_args(argv)
     setup = Setup(warmup_s=60, measure_s=60, scale=0.1) if args.quick else Setup()
     setup.output_tokens = args.output_tokens
     setup.ratios = tuple(int(k) for k in args.ratios.split(","))
+    setup.sessions = tuple(int(n) for n in args.sessions.split(",") if n)
     suffix = "" if args.output_tokens == 300 else f"_out{args.output_tokens}"
     names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
     for name in names:
@@ -169,6 +178,8 @@ def main(argv: list[str] | None = None) -> None:
                 command += f" --output-tokens {args.output_tokens}"
             if args.ratios != "1,2,3,4,5,6":
                 command += f" --ratios {args.ratios}"
+            if args.sessions:
+                command += f" --sessions {args.sessions}"
             publish(name.replace("-", "_") + suffix, title + (f", {args.output_tokens}-token answers" if suffix else ""),
                     configs, notes, command)
 
