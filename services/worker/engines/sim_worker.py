@@ -1,15 +1,15 @@
 """One simulated engine, pure: block pool + scheduler + cost model + seeded token choices.
 
 No clock and no I/O, so the live ``sim`` engine (asyncio, wall clock times a clock
-factor) and the offline discrete-event simulator (loadtests/sim_offline.py) drive the
+factor) and the offline discrete-event simulator (loadtests/fleet_sim.py) drive the
 very same code::
 
     worker.add(request)                      # a SimRequest, arrival_t set by the driver
     step = worker.begin_step(now)            # None when there is nothing to run
+    for request, seconds, epoch in step.transfers:   # decode role: pulls of prefilled KV
+        ... after `seconds`: worker.kv_ready(request, epoch) ...
     ... the driver waits step.duration_s (really, or as a simulated event) ...
     for request, token in worker.end_step(step, now + step.duration_s): ...
-    for request, seconds in step.transfers:  # decode role: pulls of prefilled KV
-        ... after `seconds`: worker.kv_ready(request, epoch) ...
 
 Roles: ``both`` computes prompts and decodes; ``prefill`` computes the prompt and one
 token and then hands the KV over (the request finishes with reason ``remote``);
