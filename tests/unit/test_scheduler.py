@@ -140,3 +140,18 @@ def test_random_workloads_finish_exactly_and_return_every_block(seed):
     finished, _ = _run(scheduler, max_steps=5000)
     assert {r.request_id: len(r.output_token_ids) for r in finished} == expected
     assert pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("num_blocks", [16, 20, 24])
+def test_a_readmitted_request_is_not_preempted_by_the_very_next_decode(num_blocks):
+    # regression (found by the Dynamo cross-check): readmitted into an exactly full pool, a preempted
+    # request was the next decode's victim again, step after step
+    scheduler = Scheduler(BlockPool(num_blocks, 4), max_num_batched_tokens=64, max_num_seqs=8)
+    requests = [SimRequest(f"r{i}", list(range(i * 100, i * 100 + 10)), max_tokens=30) for i in range(4)]
+    for request in requests:
+        scheduler.add(request)
+    finished, batches = _run(scheduler, 5000)
+    assert len(finished) == 4 and sum(r.num_preemptions for r in requests) > 0
+    for before, after in zip(batches, batches[1:]):
+        readmitted = {r.request_id for r, _ in before.prefills if r.output_token_ids}
+        assert not readmitted & {r.request_id for r in after.preempted}

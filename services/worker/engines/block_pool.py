@@ -180,10 +180,10 @@ class BlockPool:
         num_host = hit_ids.count(None)
         return (len(hit_ids) - num_host) * self.block_size, num_host * self.block_size
 
-    def can_allocate(self, token_ids: Sequence[int], extra: tuple = ()) -> bool:
-        """Whether ``allocate`` would succeed for this prompt now."""
+    def can_allocate(self, token_ids: Sequence[int], extra: tuple = (), headroom: int = 0) -> bool:
+        """Whether ``allocate`` would succeed for this prompt now and leave ``headroom`` blocks free."""
         _, hit_ids = self._find_cached_blocks(token_ids, extra)
-        return self._num_blocks_short(len(token_ids), hit_ids) <= 0
+        return self._num_blocks_short(len(token_ids), hit_ids) + headroom <= 0
 
     def allocate(self, request_id: str, token_ids: Sequence[int], extra: tuple = ()) -> int | None:
         """Give a new request blocks for its prompt, reusing cached prefix blocks; the number of cached tokens, or None."""

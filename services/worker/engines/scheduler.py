@@ -12,7 +12,9 @@ first-come-first-served while the per-step token budget (``max_num_batched_token
 ``max_num_seqs`` allow and the block pool can hold their prompt (a request at the head
 that does not fit blocks the queue). A decode that needs a new block when none is free
 preempts the most recently admitted running request (recompute: its blocks are freed and
-it returns to the front of the waiting queue).
+it returns to the front of the waiting queue). A preempted request is readmitted only when
+a block stays free after it (as Dynamo's mocker does): readmitted into an exactly full
+pool, it would be preempted again by the next decode, over and over.
 
 A request whose KV a prefill worker computed (``remote_kv``, the decode side of a
 disaggregated pair) is admitted like any other, but instead of prefilling it starts a
@@ -149,6 +151,9 @@ class Scheduler:
             request = self.waiting[0]
             if request in batch.preempted:
                 break  # not again in the step that preempted it
+            if (request.output_token_ids and self.running
+                    and not self.pool.can_allocate(request.token_ids, request.extra, headroom=1)):
+                break  # readmitted into a full pool, it would be the next decode's victim again
             num_cached = self.pool.allocate(request.request_id, request.token_ids, request.extra)
             if num_cached is None:
                 break  # first-come-first-served: the head waits for blocks
