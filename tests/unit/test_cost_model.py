@@ -90,3 +90,16 @@ def test_transfer_time_is_bytes_over_link_plus_descriptors() -> None:
     assert cm.transfer_time(tokens, 16, "BLHNC") > cm.transfer_time(tokens, 64, "BLHNC")
     assert cm.transfer_time(0, 64, "LBHNC") == 0.0
     assert CostModel(GB200, "nvfp4").transfer_time(tokens, 64, "BLHNC") < cm.transfer_time(tokens, 64, "BLHNC")
+
+
+def test_lm_head_runs_once_per_request_per_step() -> None:
+    cpu = load_profile("cpu-gemma3-270m")
+    assert cpu.lm_head_params > 0 and GB200.lm_head_params == 0  # GLM's head is inside its active params
+    cm = CostModel(cpu, "bf16")
+    without = CostModel(dataclasses.replace(cpu, lm_head_params=0.0), "bf16")
+    for prefills, decodes, requests in [([], [100], 1), ([], [100] * 16, 16), ([(512, 0)], [100, 100], 3)]:
+        flops, _ = cm.step_work(prefills, decodes)
+        base, _ = without.step_work(prefills, decodes)
+        assert flops - base == pytest.approx(2 * cpu.lm_head_params * requests)
+    # on this CPU decode is compute bound: a bigger batch costs more, as measured (127 ms -> 1.2 s at 16)
+    assert cm.step_time([], [160] * 16) > 5 * cm.step_time([], [160])

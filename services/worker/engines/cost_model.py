@@ -55,6 +55,9 @@ class Profile:
     max_num_seqs: int
     max_num_batched_tokens: int
     host_kv_budget_bytes: float = 0.0
+    # Output-layer parameters run once per request per step (for the token it samples), when
+    # active_params leaves them out: they matter for small models with large vocabularies.
+    lm_head_params: float = 0.0
 
     @classmethod
     def from_toml(cls, text: str) -> Profile:
@@ -128,15 +131,21 @@ class CostModel:
         attended = min(context_len, p.sparse_topk) if p.sparse_topk else context_len
         return p.num_layers * (self._row * attended + p.indexer_bytes_per_token * context_len)
 
-    def step_time(self, prefills: Sequence[tuple[int, int]], decode_contexts: Sequence[int]) -> float:
-        """Seconds for one step: ``prefills`` as (new tokens, context before them), decodes by context length."""
-        if not prefills and not decode_contexts:
-            return 0.0
+    def step_work(self, prefills: Sequence[tuple[int, int]], decode_contexts: Sequence[int]) -> tuple[float, float]:
+        """(FLOPs, bytes read) of one step: ``prefills`` as (new tokens, context before them), decodes by context."""
         p = self.profile
         flops = sum(self.prefill_flops(n, c) for n, c in prefills)
         flops += sum(self.prefill_flops(1, c) for c in decode_contexts)
+        flops += 2.0 * p.lm_head_params * (len(prefills) + len(decode_contexts))
         memory = p.weight_bytes_per_step + sum(self.decode_bytes(c) for c in decode_contexts)
-        return p.step_overhead_s + max(flops / self._flops_rate, memory / self._bytes_rate)
+        return flops, memory
+
+    def step_time(self, prefills: Sequence[tuple[int, int]], decode_contexts: Sequence[int]) -> float:
+        """Seconds for one step: overhead + the larger of its compute and memory times."""
+        if not prefills and not decode_contexts:
+            return 0.0
+        flops, memory = self.step_work(prefills, decode_contexts)
+        return self.profile.step_overhead_s + max(flops / self._flops_rate, memory / self._bytes_rate)
 
     def kv_bytes(self, num_tokens: int) -> float:
         return float(num_tokens * self._kv_token_bytes)
