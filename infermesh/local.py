@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from services.edge.config import EdgeConfig
 from services.edge.service import EdgeService
+from services.router.config import RouterConfig
 from services.router.service import RouterService
 from services.worker.config import WorkerConfig
 from services.worker.service import WorkerService
@@ -31,8 +32,9 @@ class LocalMesh:
         self.buses.append(bus)
         return bus
 
-    async def start_router(self) -> RouterService:
-        self.router = RouterService(await self._bus("router"))
+    async def start_router(self, **options: object) -> RouterService:
+        config = RouterConfig(nats_url=self.nats_url, namespace=self.namespace, **options)  # type: ignore[arg-type]
+        self.router = RouterService(await self._bus("router"), config)
         await self.router.start()
         return self.router
 

@@ -5,4 +5,4 @@ from services.router.service import RouterService
 from shared.runner import main
 
 if __name__ == "__main__":
-    main("router", RouterConfig, lambda _config, bus: RouterService(bus))
+    main("router", RouterConfig, lambda config, bus: RouterService(bus, config))

@@ -9,6 +9,7 @@ import logging
 
 from nats.aio.msg import Msg
 
+from services.router.config import RouterConfig
 from services.router.policy import LeastLoadedPolicy, LoadView
 from shared.bus import Bus
 from shared.registry import WorkerDirectory
@@ -21,11 +22,12 @@ QUEUE_GROUP = "router"
 
 
 class RouterService:
-    def __init__(self, bus: Bus) -> None:
+    def __init__(self, bus: Bus, config: RouterConfig | None = None) -> None:
+        config = config or RouterConfig()
         self.bus = bus
         self.directory = WorkerDirectory(bus)
         self.loads = LoadView()
-        self.policy = LeastLoadedPolicy()
+        self.policy = LeastLoadedPolicy(min_remote_prefill_tokens=config.min_remote_prefill_tokens)
         self._subs: list[object] = []
 
     async def start(self) -> None:

@@ -63,3 +63,21 @@ async def test_a_failed_prefill_falls_back_to_prefilling_on_the_decoder(mesh):
     assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 4
     _, decode = engines(mesh)
     assert decode.num_steps == 1 + 3  # prefilled locally (one chunk), then three decode steps
+
+
+async def test_short_prompts_skip_the_prefill_hop(nats_url, namespace, tiny_model):
+    mesh = LocalMesh(nats_url, namespace, dev_key=KEY)
+    await mesh.start_router(min_remote_prefill_tokens=100)
+    await mesh.start_worker(worker_id="prefill-0", role="prefill", model_path=str(tiny_model), **SIM)
+    await mesh.start_worker(worker_id="decode-0", role="decode", model_path=str(tiny_model), **SIM)
+    await mesh.start_edge()
+    try:
+        await eventually(mesh.edge.mesh.is_ready, 10)
+        client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key=KEY, max_retries=0)
+        await client.completions.create(model="tiny", prompt=list(range(5, 50)), max_tokens=2)
+        prefill, decode = engines(mesh)
+        assert prefill.num_steps == 0 and decode.num_steps == 2  # prefilled where it decodes
+        await client.completions.create(model="tiny", prompt=list(range(5, 300)), max_tokens=2)
+        assert prefill.num_steps == 1
+    finally:
+        await mesh.stop()
