@@ -179,6 +179,30 @@ class KvEventBatch(Struct, frozen=True):
     events: list[KvEvent]
 
 
+class KvReplayRequest(Struct, frozen=True):
+    """Ask a worker for its KV event batches numbered after ``after_seq``."""
+
+    after_seq: int
+
+
+class KvReplayReply(Struct, frozen=True):
+    batches: list[KvEventBatch]
+    complete: bool  # False: some batches left the worker's buffer; ask for a snapshot instead
+
+
+class KvSnapshotRequest(Struct, frozen=True):
+    pass
+
+
+class KvSnapshot(Struct, frozen=True):
+    """Every block a worker holds (one single-block BlockStored each, medium set) as of batch ``seq``."""
+
+    source_id: str
+    seq: int
+    ts: float
+    blocks: list[BlockStored]
+
+
 # ---------------------------------------------------------------- codec
 T = TypeVar("T")
 _encoder = msgspec.msgpack.Encoder()

@@ -9,6 +9,8 @@ tests - can share one NATS server without hearing each other.
     <ns>.worker.<id>.load             request/reply  LoadRequest -> LoadSnapshot
     <ns>.load.<id>                    publish        LoadSnapshot (on change + periodic)
     <ns>.kv.<id>                      publish        KvEventBatch
+    <ns>.worker.<id>.kv_replay        request/reply  KvReplayRequest -> KvReplayReply
+    <ns>.worker.<id>.kv_snapshot      request/reply  KvSnapshotRequest -> KvSnapshot
     <ns>.stream.<edge_id>.<req_id>    publish        StreamMessage (TokenChunk | StreamEnd | StreamError)
     KV bucket <ns>_workers            key <id>       WorkerInfo, per-key TTL (lapses if heartbeats stop)
 """
@@ -49,6 +51,12 @@ class Subjects:
 
     def worker_load(self, worker_id: str) -> str:
         return f"{self.namespace}.worker.{worker_id}.load"
+
+    def worker_kv_replay(self, worker_id: str) -> str:
+        return f"{self.namespace}.worker.{worker_id}.kv_replay"
+
+    def worker_kv_snapshot(self, worker_id: str) -> str:
+        return f"{self.namespace}.worker.{worker_id}.kv_snapshot"
 
     # --- broadcast streams
     def load(self, worker_id: str) -> str:

@@ -20,7 +20,9 @@ from services.worker.engines import Engine, EngineRequestError, EngineSpec, crea
 from shared import schema
 from shared.bus import Bus, TokenStreamSender
 from shared.registry import WorkerRegistration
-from shared.schema import AbortRequest, GenerateRequest, KvEventBatch, LoadRequest, LoadSnapshot, WorkerInfo
+from services.worker.kv_log import KvEventLog
+from shared.schema import (AbortRequest, GenerateRequest, KvReplayReply, KvReplayRequest, KvSnapshotRequest, LoadRequest,
+                           LoadSnapshot, WorkerInfo)
 from shared.telemetry import tracer
 
 log = logging.getLogger("infermesh.worker")
@@ -39,7 +41,7 @@ class WorkerService:
         self._subs: list[object] = []
         self._registration: WorkerRegistration | None = None
         self._load_seq = 0
-        self._kv_seq = 0
+        self.kv_log = KvEventLog(self.worker_id)
         self._num_finished = 0
         self._num_aborted = 0
         self._load_changed = asyncio.Event()
@@ -52,6 +54,8 @@ class WorkerService:
             await self.bus.subscribe(s.worker_generate(self.worker_id), GenerateRequest, self._on_generate),
             await self.bus.subscribe(s.worker_abort(self.worker_id), AbortRequest, self._on_abort),
             await self.bus.subscribe(s.worker_load(self.worker_id), LoadRequest, self._on_load_request),
+            await self.bus.subscribe(s.worker_kv_replay(self.worker_id), KvReplayRequest, self._on_kv_replay),
+            await self.bus.subscribe(s.worker_kv_snapshot(self.worker_id), KvSnapshotRequest, self._on_kv_snapshot),
         ]
         self._registration = WorkerRegistration(self.bus, self._info, self.config.heartbeat_s, self.config.heartbeat_ttl_s)
         await self._registration.start()
@@ -168,6 +172,12 @@ class WorkerService:
     async def _publish_kv_events_loop(self) -> None:
         subject = self.bus.subjects.kv_events(self.worker_id)
         async for events in self.engine.kv_events():
-            self._kv_seq += 1
-            batch = KvEventBatch(self.worker_id, self._kv_seq, schema.now(), events)
+            batch = self.kv_log.record(events)  # numbered, kept for replay, mirrored for snapshots
             await self.bus.nc.publish(subject, schema.encode(batch))
+
+    async def _on_kv_replay(self, request: KvReplayRequest, raw: Msg) -> None:
+        batches = self.kv_log.replay(request.after_seq)
+        await self.bus.respond(raw, KvReplayReply(batches or [], complete=batches is not None))
+
+    async def _on_kv_snapshot(self, _request: KvSnapshotRequest, raw: Msg) -> None:
+        await self.bus.respond(raw, self.kv_log.snapshot())
