@@ -34,12 +34,19 @@ async def test_batches_replay_and_snapshot_over_the_bus(worker, nats_url, namesp
         seen.append(schema.decode(msg.data, KvEventBatch))
 
     sub = await client.nc.subscribe(client.subjects.kv_events("kv-w"), cb=on_batch)
+    await client.nc.flush()  # the server knows the subscription before the first batch is published
     try:
         for i in range(3):
             prompt = list(range(i * 100, i * 100 + 18))
             async for _ in worker.engine.generate(f"r{i}", prompt, SamplingParams(max_tokens=3)):
                 pass
-        await eventually(lambda: worker.kv_log.seq >= 3 and len(seen) == worker.kv_log.seq, 5)
+        engine = worker.engine
+
+        def settled() -> bool:  # the engine published its last step's events and they all came back
+            return (worker.kv_log.seq >= 3 and engine._kv_events.empty() and not engine.worker.busy
+                    and not engine.worker.pool._events and len(seen) == worker.kv_log.seq)
+
+        await eventually(settled, 5)
         assert [b.seq for b in seen] == list(range(1, len(seen) + 1))
         # an indexer that missed everything after batch 1 gets exactly the rest back
         reply = await client.request(client.subjects.worker_kv_replay("kv-w"), KvReplayRequest(1), KvReplayReply)
