@@ -77,18 +77,21 @@ def publish(name: str, title: str, configs: dict[str, dict], notes: dict, comman
 
 
 # ---------------------------------------------------------------- the experiments
-def budget(setup: Setup, sessions_per_rank: int = 40, ranks: int = 4) -> tuple[dict, dict]:
+def budget(setup: Setup, loads_per_rank: tuple[int, ...] = (32, 40), ranks: int = 4) -> tuple[dict, dict]:
     """(a) Per-GPU prefill token budget 8K vs 4K, prefix-heavy agent traffic, prefill on one 4-GPU
-    attention-DP instance (its ranks step in lockstep, the wide-EP MoE joins them) and 8 decoders;
-    the same with independent prefill GPUs as the control."""
-    sessions = sessions_per_rank * ranks
+    attention-DP instance (its ranks step in lockstep, the wide-EP MoE joins them) and 8 decoders, at
+    two loads; the same with independent prefill GPUs at the higher load as the control."""
     configs = {}
-    for group, name in ((ranks, "DP4 lockstep"), (1, "independent")):
+    runs = [(ranks, "DP4 lockstep", n) for n in loads_per_rank] + [(1, "independent", loads_per_rank[-1])]
+    for group, name, per_rank in runs:
+        sessions = per_rank * ranks
         for b in (8192, 4096):
-            configs[f"{name}, budget {b}"] = run(
-                f"{name} budget {b}", fleet(num_prefill=ranks, num_workers=2 * ranks, max_num_batched_tokens=b,
-                                            prefill_dp_group=group), sessions, setup)
-    return configs, {"sessions": sessions, "seed": "median queue wait 550 -> 110 ms, TTFT about -20%"}
+            configs[f"{name}, {sessions} sessions, budget {b}"] = run(
+                f"{name} {sessions} budget {b}", fleet(num_prefill=ranks, num_workers=2 * ranks,
+                                                       max_num_batched_tokens=b, prefill_dp_group=group),
+                sessions, setup)
+    return configs, {"sessions per prefill rank": list(loads_per_rank),
+                     "seed": "median queue wait 550 -> 110 ms, TTFT about -20%"}
 
 
 def kv_dtype(setup: Setup, sessions: int = 72) -> tuple[dict, dict]:
