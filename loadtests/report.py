@@ -170,9 +170,11 @@ def plot(configs: dict[str, dict], path: Path, title: str) -> None:
         ax.set_ylabel(ylabel)
         ax.margins(y=0.15)
     handles, names = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="lower center", ncol=min(len(names), 6) or 1, frameon=False)
+    ncol = min(len(names), 3) or 1  # long labels: at most three per legend row, so none is cut off
+    rows = -(-len(names) // ncol)
+    fig.legend(handles, names, loc="lower center", ncol=ncol, frameon=False)
     fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.05, 1, 0.96))
+    fig.tight_layout(rect=(0, 0.03 + 0.03 * rows, 1, 0.96))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
