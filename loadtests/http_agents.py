@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from loadtests.report import RequestRecord
+from loadtests.sse_client import read_chunks
 from loadtests.workloads import Arrival, Workload
 from services.worker.engines.sim import sim_token_ids
 
@@ -129,12 +130,7 @@ class Connection:
             body = await reader.readexactly(length)
             result.error = None if ok else f"{head[9:12].decode()} {body[:300].decode(errors='replace')}"
             return
-        while True:  # chunked transfer encoding: one chunk per write of the edge
-            size = int((await reader.readline()).strip(), 16)
-            if size == 0:
-                await reader.readline()
-                return
-            chunk = await reader.readexactly(size + 2)
+        async for chunk in read_chunks(reader):  # one chunk per write of the edge
             if not ok:
                 result.error = result.error or f"{head[9:12].decode()} {chunk[:300].decode(errors='replace')}"
                 continue

@@ -10,11 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import AsyncIterator
 
 import msgspec
 
 FIRST_CONTENT = b'"content":"'
 EMPTY_CONTENT = b'"content":""'
+
+
+async def read_chunks(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    """The chunks of a chunked-transfer-encoded body (each with its trailing CRLF), up to the last one."""
+    while True:
+        size = int((await reader.readline()).strip(), 16)
+        if size == 0:
+            await reader.readline()
+            return
+        yield await reader.readexactly(size + 2)
 
 
 class LeanSseClient:
@@ -53,12 +64,7 @@ class LeanSseClient:
             if not head.startswith(b"HTTP/1.1 200"):
                 writer.close()
                 raise RuntimeError(f"unexpected response: {head[:200]!r}")
-            while True:  # chunked transfer encoding
-                size = int((await reader.readline()).strip(), 16)
-                if size == 0:
-                    await reader.readline()
-                    break
-                chunk = await reader.readexactly(size + 2)
+            async for chunk in read_chunks(reader):
                 if first is None and FIRST_CONTENT in chunk.replace(EMPTY_CONTENT, b""):
                     first = time.perf_counter() - start
         self._idle.append((reader, writer))

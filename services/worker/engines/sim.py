@@ -23,7 +23,7 @@ from services.worker.engines.base import Engine, EngineLoad, EngineOutput, Engin
 from services.worker.engines.block_pool import hash_block
 from services.worker.engines.cost_model import CostModel, load_profile
 from services.worker.engines.scheduler import SimRequest
-from services.worker.engines.sim_worker import SimWorker, SimWorkerConfig, token_rng
+from services.worker.engines.sim_worker import SimWorker, SimWorkerConfig, draw_token, token_rng
 from shared.schema import KvEvent, KvTransfer, SamplingParams
 
 
@@ -77,7 +77,7 @@ def sim_token_ids(prompt_token_ids: list[int], seed: int | None, count: int) -> 
     """The tokens the sim engine gives a prompt (pure, for tests): ``count`` draws of token_rng."""
     pool = prompt_token_ids or [0]
     rng = token_rng(pool, seed)
-    return [pool[rng.randrange(len(pool))] for _ in range(count)]
+    return [draw_token(rng, pool) for _ in range(count)]
 
 
 @dataclass(slots=True)

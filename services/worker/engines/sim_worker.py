@@ -67,7 +67,6 @@ class SimWorkerConfig:
 @dataclass(slots=True)
 class Step:
     batch: ScheduledBatch
-    started_t: float
     duration_s: float
     transfers: list[tuple[SimRequest, float, int]] = field(default_factory=list)  # (request, seconds, epoch)
 
@@ -75,6 +74,11 @@ class Step:
 def token_rng(prompt_token_ids: list[int], seed: int | None) -> random.Random:
     """The RNG behind a request's output tokens: same prompt and seed, same tokens."""
     return random.Random(zlib.crc32(_encoder.encode(prompt_token_ids)) ^ ((seed or 0) * 0x9E3779B1 & 0xFFFFFFFF))
+
+
+def draw_token(rng: random.Random, prompt_token_ids: list[int]) -> int:
+    """One output token: a token of the prompt, so it is valid for the model's tokenizer."""
+    return prompt_token_ids[rng.randrange(len(prompt_token_ids))]
 
 
 class SimWorker:
@@ -113,11 +117,6 @@ class SimWorker:
         if request.receiving and request.num_preemptions == epoch:
             self.scheduler.kv_arrived(request)
 
-    @property
-    def has_work(self) -> bool:
-        s = self.scheduler
-        return bool(s.waiting) or any(not r.receiving for r in s.running)
-
     def load(self) -> EngineLoad:
         s = self.scheduler
         return EngineLoad(len(s.running), len(s.waiting), self.pool.num_used_blocks, self.pool.num_blocks)
@@ -148,7 +147,7 @@ class SimWorker:
         self.busy = True
         self.num_steps += 1
         self.busy_s += duration
-        return Step(batch, now, duration, transfers)
+        return Step(batch, duration, transfers)
 
     def end_step(self, step: Step, now: float) -> list[tuple[SimRequest, int]]:
         """Finish a step at ``now``: the (request, token) pairs it produced; finished requests have finish_reason."""
@@ -156,8 +155,7 @@ class SimWorker:
         produced: list[tuple[SimRequest, int]] = []
 
         def sample(request: SimRequest) -> int:
-            prompt = request.prompt_token_ids
-            token = prompt[self._rngs[request.request_id].randrange(len(prompt))]
+            token = draw_token(self._rngs[request.request_id], request.prompt_token_ids)
             produced.append((request, token))
             request.token_times.append(now)
             return token
