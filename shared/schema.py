@@ -53,6 +53,7 @@ class LoadSnapshot(Struct, frozen=True):
     num_kv_blocks: int
     num_aborted_total: int = 0
     num_finished_total: int = 0
+    num_prefill_tokens: int = 0  # prompt tokens admitted but not yet computed
 
     @property
     def kv_usage(self) -> float:
@@ -66,6 +67,20 @@ class RouteRequest(Struct, frozen=True):
     num_prompt_tokens: int
     session_id: str | None = None
     exclude_worker_ids: list[str] = []
+    block_hashes: list[int] = []  # the prompt's router hashes (shared.prefix_hash), salted by model and cache_salt
+    block_size: int = 0  # the block size they were computed at (0: none sent)
+
+
+class RouteDecisionEvent(Struct, frozen=True):
+    """Published by the router replica that decided, so every replica counts the work routed since the
+    worker's last load snapshot the same way."""
+
+    router_id: str
+    request_id: str
+    worker_id: str
+    prefill_tokens: int
+    blocks: int
+    prefill_worker_id: str = ""
 
 
 class RouteDecision(Struct, frozen=True, tag="ok"):
@@ -80,6 +95,17 @@ class RouteRejected(Struct, frozen=True, tag="rejected"):
 
 
 RouteReply = RouteDecision | RouteRejected
+
+
+class SessionBinding(Struct, frozen=True):
+    """A session's decode worker, in the sessions KV bucket (per-key idle TTL, CAS updates)."""
+
+    session_id: str
+    worker_id: str
+    bound_at: float  # when this worker was bound
+    repins: int = 0  # how many times the session moved
+    reason: str = "new"  # why it was bound here: new | gone | breaker_open | excluded | overloaded
+    ts: float = 0.0  # last write (the idle TTL restarts at each write)
 
 
 # ---------------------------------------------------------------- generation
@@ -112,6 +138,7 @@ class GenerateRequest(Struct, frozen=True):
     sampling: SamplingParams
     attempt: int = 0
     kv_transfer: KvTransfer | None = None  # decode side of a disaggregated request
+    cache_salt: str | None = None  # the tenant's prefix-cache salt (vLLM's cache_salt)
 
 
 class AbortRequest(Struct, frozen=True):
@@ -158,6 +185,9 @@ class BlockStored(Struct, frozen=True, tag="BlockStored"):
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
+    # Not in vLLM's event: the tenant salt of the chain these blocks belong to, attached by the
+    # worker (the engine salts the chain's first block with it). The router's hashes start from it.
+    cache_salt: str | None = None
 
 
 class BlockRemoved(Struct, frozen=True, tag="BlockRemoved"):
@@ -180,9 +210,10 @@ class KvEventBatch(Struct, frozen=True):
 
 
 class KvReplayRequest(Struct, frozen=True):
-    """Ask a worker for its KV event batches numbered after ``after_seq``."""
+    """Ask a worker for its KV event batches numbered after ``after_seq`` (a page of them: ask again)."""
 
     after_seq: int
+    max_tokens: int = 65536  # about this many token ids per reply, so it fits in one NATS message
 
 
 class KvReplayReply(Struct, frozen=True):
@@ -191,16 +222,24 @@ class KvReplayReply(Struct, frozen=True):
 
 
 class KvSnapshotRequest(Struct, frozen=True):
-    pass
+    """One page of a worker's snapshot. Page 0 takes a new snapshot and names it; later pages name it."""
+
+    snapshot_id: str = ""
+    start: int = 0
+    max_blocks: int = 2048
 
 
 class KvSnapshot(Struct, frozen=True):
-    """Every block a worker holds (one single-block BlockStored each, medium set) as of batch ``seq``."""
+    """Blocks a worker holds (one single-block BlockStored each, medium set) as of batch ``seq``:
+    ``blocks`` is the page from ``start``; ``total`` blocks in all."""
 
     source_id: str
     seq: int
     ts: float
     blocks: list[BlockStored]
+    snapshot_id: str = ""
+    start: int = 0
+    total: int = 0
 
 
 # ---------------------------------------------------------------- codec

@@ -12,7 +12,9 @@ tests - can share one NATS server without hearing each other.
     <ns>.worker.<id>.kv_replay        request/reply  KvReplayRequest -> KvReplayReply
     <ns>.worker.<id>.kv_snapshot      request/reply  KvSnapshotRequest -> KvSnapshot
     <ns>.stream.<edge_id>.<req_id>    publish        StreamMessage (TokenChunk | StreamEnd | StreamError)
+    <ns>.router.decisions             publish        RouteDecisionEvent (replicas share pending load)
     KV bucket <ns>_workers            key <id>       WorkerInfo, per-key TTL (lapses if heartbeats stop)
+    KV bucket <ns>_sessions           key s-<hash>   SessionBinding, per-key idle TTL, CAS writes
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ class Subjects:
     @property
     def route(self) -> str:
         return f"{self.namespace}.router.route"
+
+    @property
+    def route_decisions(self) -> str:
+        return f"{self.namespace}.router.decisions"
 
     # --- per worker
     def worker_generate(self, worker_id: str) -> str:
@@ -84,3 +90,7 @@ class Subjects:
     @property
     def workers_bucket(self) -> str:
         return f"{self.namespace}_workers"
+
+    @property
+    def sessions_bucket(self) -> str:
+        return f"{self.namespace}_sessions"

@@ -20,8 +20,9 @@ from opentelemetry.propagate import extract
 from services.edge import errors
 from services.edge.config import EdgeConfig
 from services.edge.http import HttpRequest, JsonReply, Reply, SseReply
-from services.edge.mesh import EdgeMesh, Finished, StreamBroken
+from services.edge.mesh import EdgeMesh, Finished, RouteHints, StreamBroken
 from services.edge.protocol import (
+    MAX_ID_LENGTH,
     ChatCompletionRequest, CompletionRequest, InvalidRequest, Sampling, parse_body, validate_chat,
     validate_completion,
 )
@@ -137,7 +138,8 @@ class EdgeApi:
                                       kind=trace.SpanKind.SERVER)
             span.set_attributes({"infermesh.request_id": request_id, "gen_ai.request.model": model,
                                  "infermesh.num_prompt_tokens": len(prompt_ids), "infermesh.stream": stream})
-        events = self.mesh.generate(request_id, model, prompt_ids, params, tokenizer, sampling.stop)
+        hints = RouteHints(self._session_id(request, body), body.cache_salt)
+        events = self.mesh.generate(request_id, model, prompt_ids, params, tokenizer, sampling.stop, hints)
         try:
             with trace.use_span(span, end_on_exit=False) if span.is_recording() else nullcontext():
                 first = await events.__anext__()
@@ -152,6 +154,14 @@ class EdgeApi:
         if stream:
             return SseReply(self._sse_body(first, events, shape, include_usage, span))
         return await self._complete(first, events, shape, span)
+
+    def _session_id(self, request: HttpRequest, body: Any) -> str | None:
+        """The session the request belongs to: ``X-Session-Id``, else ``user`` when so configured."""
+        session = request.headers.get("x-session-id") or (body.user if self.config.session_from_user else None)
+        if session is not None and len(session) > MAX_ID_LENGTH:
+            raise errors.invalid_request(f"The session id is longer than {MAX_ID_LENGTH} characters.",
+                                         "X-Session-Id")
+        return session or None
 
     async def _complete(self, first: str | Finished, events: AsyncIterator[str | Finished], shape: "_Shape",
                         span: trace.Span) -> JsonReply:

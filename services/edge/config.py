@@ -18,7 +18,10 @@ class EdgeConfig(BusConfig):
     first_token_timeout_s: float = 300.0
     inter_token_timeout_s: float = 60.0
     abort_drain_timeout_s: float = 1.0
+    route_block_size: int = 16  # block size of the prompt hashes sent to the router (the router's; 0: none)
+    session_from_user: bool = False  # no X-Session-Id header: use the body's ``user`` field as the session id
 
     def __post_init__(self) -> None:
         assert 0 < self.http_port < 65536 or self.http_port == 0, "http_port out of range"
+        assert self.route_block_size >= 0, "route_block_size must be >= 0"
         assert self.route_timeout_s > 0 and self.first_token_timeout_s > 0 and self.inter_token_timeout_s > 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -20,6 +21,7 @@ from services.edge.config import EdgeConfig
 from services.edge.text import IncrementalDetokenizer, StopStringMatcher
 from services.edge.tokenizer import ModelTokenizer
 from shared.bus import Bus, BusError, StreamReceiver, TokenStream
+from shared.prefix_hash import prompt_hashes
 from shared.registry import WorkerDirectory
 from shared.schema import (
     AbortRequest, GenerateRequest, RouteDecision, RouteReply, RouteRequest, SamplingParams,
@@ -45,6 +47,25 @@ class Finished:
 
 class StreamBroken(Exception):
     """The worker failed after tokens reached the client: the response cannot be completed."""
+
+
+class _WorkerFailedEarly(Exception):
+    """The worker failed before the first token: the request may run elsewhere."""
+
+    def __init__(self, error: errors.ApiError, worker_id: str) -> None:
+        super().__init__(error.message)
+        self.error, self.worker_id = error, worker_id
+
+
+RETRYABLE = ("worker_unavailable", "worker_shutdown", "stream_gap", "timeout")
+
+
+@dataclass(frozen=True, slots=True)
+class RouteHints:
+    """What a request tells the router beyond its prompt."""
+
+    session_id: str | None = None  # X-Session-Id (or the ``user`` field when so configured)
+    cache_salt: str | None = None  # the tenant's prefix-cache salt: no cache sharing across salts
 
 
 class EdgeMesh:
@@ -113,12 +134,15 @@ class EdgeMesh:
         task.add_done_callback(self._background.discard)
 
     # ------------------------------------------------------------ one request
-    async def route(self, request_id: str, model: str, num_prompt_tokens: int) -> RouteDecision:
+    async def route(self, request_id: str, model: str, prompt_token_ids: list[int], hints: RouteHints = RouteHints(),
+                    exclude: list[str] | None = None) -> RouteDecision:
+        block_size = self.config.route_block_size
+        hashes = prompt_hashes(prompt_token_ids, model, None, hints.cache_salt, block_size) if block_size else []
+        request = RouteRequest(request_id, model, len(prompt_token_ids), hints.session_id, exclude or [], hashes,
+                               block_size if hashes else 0)
         try:
-            reply = await self.bus.request(
-                self.bus.subjects.route, RouteRequest(request_id, model, num_prompt_tokens), RouteReply,
-                timeout=self.config.route_timeout_s,
-            )
+            reply = await self.bus.request(self.bus.subjects.route, request, RouteReply,
+                                           timeout=self.config.route_timeout_s)
         except BusError as exc:
             raise errors.service_unavailable(f"the router is unavailable: {exc}", "router_unavailable") from exc
         if isinstance(reply, RouteDecision):
@@ -129,15 +153,46 @@ class EdgeMesh:
 
     async def generate(
         self, request_id: str, model: str, prompt_token_ids: list[int], sampling: SamplingParams,
-        tokenizer: ModelTokenizer, stop: list[str],
+        tokenizer: ModelTokenizer, stop: list[str], hints: RouteHints = RouteHints(),
     ) -> AsyncIterator[str | Finished]:
-        """Yield text deltas, then one Finished. Raises ApiError before the first token, StreamBroken after."""
-        decision = await self.route(request_id, model, len(prompt_token_ids))
+        """Yield text deltas, then one Finished. Raises ApiError before the first token, StreamBroken after.
+
+        A worker that fails before the first token (gone, shutting down, silent) costs one retry on
+        another worker, routed afresh without it (a session bound to it is re-pinned there); never
+        a retry after tokens reached the client.
+        """
+        excluded: list[str] = []
+        first_failure: _WorkerFailedEarly | None = None
+        for attempt in range(2):
+            attempt_id = request_id if attempt == 0 else f"{request_id}-a{attempt}"  # a fresh stream subject
+            try:
+                async with aclosing(self._attempt(attempt_id, attempt, model, prompt_token_ids, sampling, tokenizer,
+                                                  stop, hints, excluded)) as items:
+                    async for item in items:
+                        yield item
+                return
+            except errors.ApiError as exc:
+                if first_failure is not None and exc.code == "no_capacity":  # nowhere else to go
+                    raise first_failure.error from None
+                raise
+            except _WorkerFailedEarly as failed:
+                if attempt == 1:
+                    raise failed.error from None
+                first_failure = failed
+                log.warning("request %s failed on %s before its first token (%s): retrying elsewhere", request_id,
+                            failed.worker_id, failed.error.message)
+                excluded.append(failed.worker_id)
+
+    async def _attempt(
+        self, request_id: str, attempt: int, model: str, prompt_token_ids: list[int], sampling: SamplingParams,
+        tokenizer: ModelTokenizer, stop: list[str], hints: RouteHints, excluded: list[str],
+    ) -> AsyncIterator[str | Finished]:
+        decision = await self.route(request_id, model, prompt_token_ids, hints, excluded)
         worker_id = decision.worker_id
         kv_transfer, prefill_cached = None, None
         if decision.prefill_worker_id:
             prefilled = await self._remote_prefill(decision.prefill_worker_id, request_id, model, prompt_token_ids,
-                                                   sampling)
+                                                   sampling, hints.cache_salt)
             if prefilled is not None and prefilled.kv_transfer is not None:
                 kv_transfer, prefill_cached = prefilled.kv_transfer, prefilled.num_cached_tokens
         stream = self.receiver.open(request_id, worker_id, self.config.first_token_timeout_s,
@@ -146,7 +201,8 @@ class EdgeMesh:
         try:
             await self.bus.publish(
                 self.bus.subjects.worker_generate(worker_id),
-                GenerateRequest(request_id, model, prompt_token_ids, sampling, kv_transfer=kv_transfer),
+                GenerateRequest(request_id, model, prompt_token_ids, sampling, attempt=attempt,
+                                kv_transfer=kv_transfer, cache_salt=hints.cache_salt),
                 reply=self.receiver.subject(request_id),
             )
             detokenizer = IncrementalDetokenizer(tokenizer)
@@ -177,6 +233,8 @@ class EdgeMesh:
                                    num_output, worker_id)
                     return
                 else:  # finished stays False: the abort is a no-op if the worker ended it, vital on a timeout
+                    if not num_output and message.code in RETRYABLE:
+                        raise _WorkerFailedEarly(self._stream_error(message), worker_id)
                     self._raise_stream_error(message, num_output)
         finally:
             if not finished:  # client left, or we failed: stop the engine; never await in a cancelled scope
@@ -184,7 +242,7 @@ class EdgeMesh:
             self.receiver.close(request_id)
 
     async def _remote_prefill(self, worker_id: str, request_id: str, model: str, prompt_token_ids: list[int],
-                              sampling: SamplingParams) -> StreamEnd | None:
+                              sampling: SamplingParams, cache_salt: str | None) -> StreamEnd | None:
         """Have a prefill worker compute the prompt's KV: its end message (with the KV handle), None on failure."""
         prefill_id = f"{request_id}-prefill"  # no dots: the id ends a subject
         stream = self.receiver.open(prefill_id, worker_id, self.config.first_token_timeout_s,
@@ -193,7 +251,8 @@ class EdgeMesh:
         try:
             await self.bus.publish(
                 self.bus.subjects.worker_generate(worker_id),
-                GenerateRequest(prefill_id, model, prompt_token_ids, msgspec.structs.replace(sampling, max_tokens=1)),
+                GenerateRequest(prefill_id, model, prompt_token_ids, msgspec.structs.replace(sampling, max_tokens=1),
+                                cache_salt=cache_salt),
                 reply=self.receiver.subject(prefill_id),
             )
             while True:
@@ -220,11 +279,15 @@ class EdgeMesh:
         log.warning("request %s failed on %s: %s %s", error.request_id, error.source_id, error.code, error.message)
         if num_output:
             raise StreamBroken(f"{error.code}: {error.message}")
-        if error.code in ("worker_unavailable", "timeout", "worker_shutdown", "stream_gap"):
-            raise errors.service_unavailable(f"The worker failed: {error.message}", error.code)
+        raise self._stream_error(error)
+
+    @staticmethod
+    def _stream_error(error: StreamError) -> errors.ApiError:
+        if error.code in RETRYABLE:
+            return errors.service_unavailable(f"The worker failed: {error.message}", error.code)
         if error.code == "bad_request":
-            raise errors.invalid_request(error.message)
-        raise errors.engine_failed(f"The engine failed: {error.message}")
+            return errors.invalid_request(error.message)
+        return errors.engine_failed(f"The engine failed: {error.message}")
 
     async def _abort(self, worker_id: str, request_id: str) -> None:
         try:

@@ -20,6 +20,9 @@ Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 PositiveInt = Annotated[int, Meta(ge=1)]
 
 
+MAX_ID_LENGTH = 256  # session ids and cache salts
+
+
 class InvalidRequest(Exception):
     def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -60,6 +63,7 @@ class _Common(Struct, kw_only=True):
     user: str | None = None
     logprobs: bool | int | None = None
     ignore_eos: bool = False  # vLLM's extension (extra_body): generate max_tokens, for benchmarks
+    cache_salt: str | None = None  # vLLM's extension: prefix cache shared only by requests with the same salt
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -122,6 +126,9 @@ def _check_common(req: _Common) -> Sampling:
         raise InvalidRequest("logprobs are not supported yet.", param="logprobs")
     if req.stream_options is not None and not req.stream:
         raise InvalidRequest("stream_options is only allowed when stream is true.", param="stream_options")
+    if req.cache_salt is not None and not 0 < len(req.cache_salt) <= MAX_ID_LENGTH:
+        raise InvalidRequest(f"cache_salt must be a non-empty string of at most {MAX_ID_LENGTH} characters.",
+                             param="cache_salt")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > 4:
         raise InvalidRequest("At most 4 stop sequences are allowed.", param="stop")

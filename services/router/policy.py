@@ -1,77 +1,162 @@
-"""Routing policy, pure: filter the live workers, score them, pick one.
+"""Routing policies, pure: given a request and the router's view, decide where it runs.
 
-A policy only decides which worker a request should use; it does not send it there.
-The first policy is least-loaded: fewest running + waiting requests, counting the
-requests routed since the worker's last load snapshot, ties broken round-robin so
-idle workers share the traffic. When the model has prefill-role workers, the decision
-also names the least-loaded of them: the edge has it compute the prompt's KV, and the
-decode worker pulls that KV instead of computing it.
+A policy only decides; the router service applies the decision (pending load, session binding,
+the decision event) and the edge sends the request. ``KvAwarePolicy`` is the default::
+
+    request(block hashes, session, excluded)
+      -> filters (model, role, heartbeat, breaker, excluded)        scoring.apply_filters
+      -> session bound and its worker still fit?  keep it           affinity.binding.repin_reason
+      -> else cost per candidate (prefix overlap by tier, queued     scoring.worker_cost
+         prefill, active decode KV, KV usage) -> pick               scoring.pick
+      -> prefill pool (disaggregated): KV-compatible prefill workers, the same cost without decode
+         terms, when the decoder's uncached part is at least ``min_remote_prefill_tokens``
+
+``LeastLoadedPolicy`` (fewest requests, ties by the request key) is kept for comparison.
+Both are deterministic for a given view, so router replicas agree.
 """
 
 from __future__ import annotations
 
-import itertools
+import math
 from dataclasses import dataclass, field
 
-from shared.schema import LoadSnapshot, RouteDecision, RouteRejected, RouteReply, RouteRequest, WorkerInfo
+from services.affinity.binding import AffinityLimits, repin_reason
+from services.router import scoring
+from services.router.index import Overlap, PrefixIndex
+from services.router.scoring import SERVING_ROLES, CostWeights, LoadView
+from shared.schema import RouteDecision, RouteRejected, RouteReply, RouteRequest, WorkerInfo
 
-SERVING_ROLES = ("both", "decode")
+NO_OVERLAP = Overlap()
+
+
+@dataclass(frozen=True, slots=True)
+class RouteView:
+    """What the router knows when a request comes in."""
+
+    workers: list[WorkerInfo]  # live, as the registry sees them
+    loads: LoadView
+    now: float
+    open_breakers: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True)
-class LoadView:
-    """The router's view of each worker's load."""
+class Plan:
+    """A policy's answer, with what the service needs to apply it."""
 
-    snapshots: dict[str, LoadSnapshot] = field(default_factory=dict)
-    routed_since_snapshot: dict[str, int] = field(default_factory=dict)
+    reply: RouteReply
+    prefill_tokens: int = 0  # prompt tokens the chosen worker will compute
+    prompt_tokens: int = 0
+    sticky: bool = False  # the session's bound worker was kept
+    repin_reason: str | None = None  # the session had a binding and left it, for this reason
+    costs: dict[str, float] = field(default_factory=dict)
 
-    def observe(self, snapshot: LoadSnapshot) -> None:
-        current = self.snapshots.get(snapshot.source_id)
-        if current is not None and snapshot.seq <= current.seq and snapshot.ts <= current.ts:
-            return  # stale or duplicate
-        self.snapshots[snapshot.source_id] = snapshot
-        self.routed_since_snapshot[snapshot.source_id] = 0
 
-    def routed(self, worker_id: str) -> None:
-        self.routed_since_snapshot[worker_id] = self.routed_since_snapshot.get(worker_id, 0) + 1
+@dataclass(frozen=True, slots=True)
+class KvRoutingConfig:
+    weights: CostWeights = CostWeights()
+    temperature: float = 0.0  # 0: min cost; > 0: softmax draw over normalized costs
+    min_remote_prefill_tokens: int = 1  # disaggregate only when this many prompt tokens are uncached
+    affinity: AffinityLimits = AffinityLimits()
 
-    def forget(self, worker_id: str) -> None:
-        self.snapshots.pop(worker_id, None)
-        self.routed_since_snapshot.pop(worker_id, None)
 
-    def num_requests(self, worker_id: str) -> int:
-        snap = self.snapshots.get(worker_id)
-        base = snap.num_running + snap.num_waiting if snap else 0
-        return base + self.routed_since_snapshot.get(worker_id, 0)
+def _key(request: RouteRequest) -> str:
+    return request.session_id or request.request_id
+
+
+def _serving_filters(request: RouteRequest, view: RouteView, roles: tuple[str, ...]) -> list[scoring.Filter]:
+    return [scoring.for_model(request.model), scoring.in_roles(roles), scoring.heartbeat_fresh(view.now),
+            scoring.breaker_allows(view.open_breakers), scoring.not_excluded(request.exclude_worker_ids)]
+
+
+def _reject(request: RouteRequest, view: RouteView) -> RouteRejected:
+    if not any(w.model == request.model for w in view.workers):
+        return RouteRejected("model_not_found", f"no live worker serves model {request.model!r}")
+    return RouteRejected("no_capacity", f"no eligible worker for model {request.model!r}")
+
+
+class KvAwarePolicy:
+    name = "kv-aware"
+
+    def __init__(self, index: PrefixIndex, config: KvRoutingConfig | None = None) -> None:
+        self.index = index
+        self.config = config or KvRoutingConfig()
+
+    def route(self, request: RouteRequest, view: RouteView, bound: str | None = None) -> Plan:
+        candidates = scoring.apply_filters(view.workers, _serving_filters(request, view, SERVING_ROLES))
+        if not candidates:
+            return Plan(_reject(request, view), repin_reason="gone" if bound else None)
+        block_size = self.index.block_size
+        hashes = request.block_hashes if request.block_size == block_size else []
+        num_prompt_blocks = max(len(hashes), math.ceil(request.num_prompt_tokens / block_size))
+        matches = self.index.find_matches(hashes) if hashes else {}
+        by_id = {w.worker_id: w for w in candidates}
+
+        reason = None
+        if bound is not None:
+            worker = next((w for w in view.workers if w.worker_id == bound), None)
+            reason = repin_reason(
+                bound, live={w.worker_id for w in view.workers}, eligible=by_id, open_breakers=view.open_breakers,
+                excluded=request.exclude_worker_ids,
+                kv_usage=view.loads.kv_usage(worker) if worker else 0.0,
+                queued_prefill_tokens=view.loads.prefill_tokens(bound), limits=self.config.affinity)
+        costs = {w.worker_id: self._cost(w, num_prompt_blocks, matches.get(w.worker_id, NO_OVERLAP), view.loads)
+                 for w in candidates}
+        if bound is not None and reason is None:
+            chosen, sticky = bound, True
+        else:
+            chosen, sticky = scoring.pick(costs, _key(request), self.config.temperature), False
+        overlap = matches.get(chosen, NO_OVERLAP)
+        cached = min(overlap.blocks * block_size, request.num_prompt_tokens)
+        uncached = request.num_prompt_tokens - cached
+        prefill_worker = ""
+        if uncached >= max(self.config.min_remote_prefill_tokens, 1):
+            prefill_worker = self._pick_prefill(request, view, by_id[chosen], num_prompt_blocks, hashes)
+        reply = RouteDecision(chosen, num_cached_tokens_expected=cached, prefill_worker_id=prefill_worker)
+        return Plan(reply, prefill_tokens=0 if prefill_worker else uncached, prompt_tokens=request.num_prompt_tokens,
+                    sticky=sticky, repin_reason=reason, costs=costs)
+
+    def _cost(self, worker: WorkerInfo, num_prompt_blocks: int, overlap: Overlap, loads: LoadView) -> float:
+        return scoring.worker_cost(self.config.weights, num_prompt_blocks, overlap,
+                                   loads.prefill_tokens(worker.worker_id), loads.active_tokens(worker),
+                                   loads.kv_usage(worker), self.index.block_size)
+
+    def _pick_prefill(self, request: RouteRequest, view: RouteView, decoder: WorkerInfo, num_prompt_blocks: int,
+                      hashes: list[int]) -> str:
+        filters = _serving_filters(request, view, ("prefill",)) + [scoring.kv_compatible(decoder)]
+        prefillers = scoring.apply_filters(view.workers, filters)
+        if not prefillers:
+            return ""
+        matches = self.index.find_matches(hashes) if hashes else {}
+        prefill_only = CostWeights(prefill=1.0, decode=0.0, host_overlap=self.config.weights.host_overlap)
+        costs = {w.worker_id: scoring.worker_cost(prefill_only, num_prompt_blocks, matches.get(w.worker_id, NO_OVERLAP),
+                                                  view.loads.prefill_tokens(w.worker_id), 0, 0.0,
+                                                  self.index.block_size)
+                 for w in prefillers}
+        return scoring.pick(costs, _key(request) + "/prefill")
 
 
 class LeastLoadedPolicy:
+    """Fewest running + waiting requests (plus those routed since the last snapshot); ties by request key."""
+
     name = "least-loaded"
 
     def __init__(self, min_remote_prefill_tokens: int = 1) -> None:
-        self._tiebreaks = {"serve": itertools.count(), "prefill": itertools.count()}  # one per pool
-        # Prompts shorter than this skip the prefill hop even when prefill workers exist.
         self.min_remote_prefill_tokens = min_remote_prefill_tokens
 
-    def route(self, request: RouteRequest, workers: list[WorkerInfo], loads: LoadView) -> RouteReply:
-        for_model = [w for w in workers if w.model == request.model]
-        if not for_model:
-            return RouteRejected("model_not_found", f"no live worker serves model {request.model!r}")
-        candidates = [
-            w for w in for_model
-            if w.role in SERVING_ROLES and w.worker_id not in request.exclude_worker_ids
-        ]
+    def route(self, request: RouteRequest, view: RouteView, bound: str | None = None) -> Plan:
+        candidates = scoring.apply_filters(view.workers, _serving_filters(request, view, SERVING_ROLES))
         if not candidates:
-            return RouteRejected("no_capacity", f"no eligible worker for model {request.model!r}")
-        chosen = self._least_loaded(candidates, loads, "serve")
-        prefillers = [w for w in for_model if w.role == "prefill" and w.worker_id not in request.exclude_worker_ids]
-        if prefillers and request.num_prompt_tokens >= self.min_remote_prefill_tokens:
-            return RouteDecision(chosen, prefill_worker_id=self._least_loaded(prefillers, loads, "prefill"))
-        return RouteDecision(chosen)
-
-    def _least_loaded(self, candidates: list[WorkerInfo], loads: LoadView, pool: str) -> str:
-        least = min(loads.num_requests(w.worker_id) for w in candidates)
-        tied = sorted(w.worker_id for w in candidates if loads.num_requests(w.worker_id) == least)
-        chosen = tied[next(self._tiebreaks[pool]) % len(tied)]
-        loads.routed(chosen)
-        return chosen
+            return Plan(_reject(request, view))
+        costs = {w.worker_id: float(view.loads.num_requests(w.worker_id)) for w in candidates}
+        chosen = scoring.pick(costs, _key(request))
+        prefill_worker = ""
+        if request.num_prompt_tokens >= self.min_remote_prefill_tokens:
+            decoder = next(w for w in candidates if w.worker_id == chosen)
+            filters = _serving_filters(request, view, ("prefill",)) + [scoring.kv_compatible(decoder)]
+            prefillers = scoring.apply_filters(view.workers, filters)
+            if prefillers:
+                prefill_worker = scoring.pick({w.worker_id: float(view.loads.num_requests(w.worker_id))
+                                               for w in prefillers}, _key(request) + "/prefill")
+        return Plan(RouteDecision(chosen, prefill_worker_id=prefill_worker),
+                    prefill_tokens=0 if prefill_worker else request.num_prompt_tokens,
+                    prompt_tokens=request.num_prompt_tokens, costs=costs)

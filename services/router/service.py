@@ -1,60 +1,253 @@
-"""Router service: answers ``<ns>.router.route`` from the registry and the workers' load stream.
+"""Router service: answers ``<ns>.router.route`` from the registry, the load stream and the KV index.
 
-Replicas join one queue group, so any replica answers any request.
+    <ns>.kv.*            KvEventBatch    -> KvSyncTracker -> PrefixIndex (gap: replay; new worker: snapshot)
+    <ns>.load.*          LoadSnapshot    -> LoadView
+    <ns>.router.decisions                -> LoadView (work routed by any replica since the last snapshot)
+    <ns>.router.route    RouteRequest    -> policy (+ session binding, CAS) -> RouteReply
+
+Replicas join one queue group, so any replica answers any request; they share decisions (for
+pending load) and session bindings (the sessions KV bucket), and each keeps its own index from
+the same event streams, so they answer alike.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+import uuid
+from collections import Counter
 
 from nats.aio.msg import Msg
 
+from services.affinity.store import BindingConflict, SessionStore
 from services.router.config import RouterConfig
-from services.router.policy import LeastLoadedPolicy, LoadView
-from shared.bus import Bus
+from services.router.index import PrefixIndex
+from services.router.kv_sync import Action, KvSyncTracker
+from services.router.policy import KvAwarePolicy, LeastLoadedPolicy, Plan, RouteView
+from services.router.scoring import LoadView
+from shared.bus import Bus, BusError
 from shared.registry import WorkerDirectory
-from shared.schema import LoadSnapshot, RouteDecision, RouteRequest
+from shared.schema import (KvEventBatch, KvReplayReply, KvReplayRequest, KvSnapshot, KvSnapshotRequest, LoadSnapshot,
+                           RouteDecision, RouteDecisionEvent, RouteRequest, SessionBinding, WorkerInfo)
 from shared.telemetry import tracer
 
 log = logging.getLogger("infermesh.router")
 _tracer = tracer("infermesh.router")
 QUEUE_GROUP = "router"
+SYNC_TIMEOUT_S = 5.0
 
 
 class RouterService:
     def __init__(self, bus: Bus, config: RouterConfig | None = None) -> None:
-        config = config or RouterConfig()
+        self.config = config = config or RouterConfig()
         self.bus = bus
+        self.router_id = config.router_id or f"r-{uuid.uuid4().hex[:8]}"
         self.directory = WorkerDirectory(bus)
         self.loads = LoadView()
-        self.policy = LeastLoadedPolicy(min_remote_prefill_tokens=config.min_remote_prefill_tokens)
+        self.index = PrefixIndex(config.block_size)
+        self.kv_sync = KvSyncTracker()
+        self.policy: KvAwarePolicy | LeastLoadedPolicy = (
+            KvAwarePolicy(self.index, config.routing()) if config.policy == "kv-aware"
+            else LeastLoadedPolicy(config.min_remote_prefill_tokens))
+        self.sessions = SessionStore(bus, config.session_idle_ttl_s) if config.affinity else None
+        self.open_breakers: frozenset[str] = frozenset()  # fed by the breaker service (issue 5)
+        self.stats: Counter[str] = Counter()  # decisions, sticky, repins[:reason], replays, snapshots, ...
+        self._syncs: dict[str, asyncio.Task[None]] = {}
         self._subs: list[object] = []
 
     async def start(self) -> None:
-        self.directory.on_removed.append(self.loads.forget)
+        if self.sessions is not None:
+            await self.sessions.start()
+        self.directory.on_added.append(self._on_worker_added)
+        self.directory.on_removed.append(self._on_worker_removed)
         await self.directory.start()
         s = self.bus.subjects
         self._subs = [
+            await self.bus.subscribe(s.kv_events_all, KvEventBatch, self._on_kv_batch),
             await self.bus.subscribe(s.load_all, LoadSnapshot, self._on_load),
+            await self.bus.subscribe(s.route_decisions, RouteDecisionEvent, self._on_decision),
             await self.bus.subscribe(s.route, RouteRequest, self._on_route, queue=QUEUE_GROUP),
         ]
-        log.info("router ready (%s policy)", self.policy.name)
+        await self.bus.nc.flush()
+        for info in list(self.directory.workers.values()):
+            self._on_worker_added(info)
+        log.info("router %s ready (%s policy, index block size %d)", self.router_id, self.policy.name,
+                 self.index.block_size)
 
     async def stop(self) -> None:
         for sub in self._subs:
             await sub.unsubscribe()  # type: ignore[attr-defined]
+        for task in self._syncs.values():
+            task.cancel()
+        await asyncio.gather(*self._syncs.values(), return_exceptions=True)
         await self.directory.stop()
 
+    # ------------------------------------------------------------ workers and their KV streams
+    def _on_worker_added(self, info: WorkerInfo) -> None:
+        self.index.add_worker(info.worker_id, info.model)
+        self.kv_sync.start(info.worker_id)
+        self._sync(info.worker_id, snapshot=True)
+
+    def _on_worker_removed(self, worker_id: str) -> None:
+        task = self._syncs.pop(worker_id, None)
+        if task is not None:
+            task.cancel()
+        self.index.remove_worker(worker_id)
+        self.kv_sync.forget(worker_id)
+        self.loads.forget(worker_id)
+        self.stats["workers_dropped"] += 1
+
+    async def _on_kv_batch(self, batch: KvEventBatch, _raw: Msg) -> None:
+        if batch.source_id not in self.directory.workers:
+            return  # its registry entry will come (or it is gone): the snapshot then covers these events
+        action = self.kv_sync.on_batch(batch)
+        if action is Action.APPLY:
+            self.index.apply(batch.source_id, batch.events)
+        elif action is Action.REPLAY:
+            self.stats["kv_gaps"] += 1
+            self._sync(batch.source_id, snapshot=False)
+        elif action is Action.SNAPSHOT:
+            self._sync(batch.source_id, snapshot=True)
+
+    def _sync(self, worker_id: str, snapshot: bool) -> None:
+        """Catch one worker up (one catch-up at a time per worker)."""
+        running = self._syncs.get(worker_id)
+        if running is not None and not running.done():
+            return
+        task = asyncio.get_running_loop().create_task(self._catch_up(worker_id, snapshot), name=f"kv-sync-{worker_id}")
+        self._syncs[worker_id] = task
+
+    async def _catch_up(self, worker_id: str, snapshot: bool) -> None:
+        """Load a snapshot (new or restarted worker) or replay after a gap, then the batches held meanwhile."""
+        for _ in range(8):
+            try:
+                seq = await (self._load_snapshot(worker_id) if snapshot else self._replay(worker_id))
+            except (BusError, asyncio.TimeoutError) as exc:
+                log.warning("KV catch-up of %s failed: %s", worker_id, exc)
+                await asyncio.sleep(0.5)
+                continue
+            if seq is None:  # the gap fell out of the worker's replay buffer
+                snapshot = True
+                continue
+            ready, whole = self.kv_sync.caught_up(worker_id, seq, snapshot=snapshot)
+            for batch in ready:
+                self.index.apply(worker_id, batch.events)
+            snapshot = self.kv_sync.needs_snapshot(worker_id)  # it restarted meanwhile
+            if whole and not snapshot:
+                return
+        self.kv_sync.forget(worker_id)  # its next batch starts a new catch-up from a snapshot
+        log.error("KV catch-up of %s gave up; its next batch starts over", worker_id)
+
+    async def _load_snapshot(self, worker_id: str) -> int:
+        self.stats["kv_snapshots"] += 1
+        subject = self.bus.subjects.worker_kv_snapshot(worker_id)
+        page_size = self.config.snapshot_page_blocks
+        first = await self.bus.request(subject, KvSnapshotRequest(max_blocks=page_size), KvSnapshot,
+                                       timeout=SYNC_TIMEOUT_S)
+        blocks = list(first.blocks)
+        while len(blocks) < first.total:
+            page = await self.bus.request(subject, KvSnapshotRequest(first.snapshot_id, len(blocks), page_size),
+                                          KvSnapshot, timeout=SYNC_TIMEOUT_S)
+            if page.snapshot_id != first.snapshot_id:  # it expired on the worker: start over
+                return await self._load_snapshot(worker_id)
+            blocks.extend(page.blocks)
+        if worker_id not in self.directory.workers:
+            return first.seq
+        self.index.clear_worker(worker_id)
+        self.index.load_blocks(worker_id, blocks)
+        log.info("router %s loaded %s's KV snapshot: %d blocks as of batch %d", self.router_id, worker_id,
+                 len(blocks), first.seq)
+        return first.seq
+
+    async def _replay(self, worker_id: str) -> int | None:
+        """Apply the worker's batches after our last; the seq reached, or None if a snapshot is needed."""
+        self.stats["kv_replays"] += 1
+        subject = self.bus.subjects.worker_kv_replay(worker_id)
+        while True:
+            after = self.kv_sync.last_seq(worker_id)
+            reply = await self.bus.request(subject, KvReplayRequest(after), KvReplayReply, timeout=SYNC_TIMEOUT_S)
+            if not reply.complete:
+                return None
+            if not reply.batches:
+                return after
+            for batch in reply.batches:
+                if batch.seq == self.kv_sync.last_seq(worker_id) + 1:
+                    self.index.apply(worker_id, batch.events)
+                    self.kv_sync.applied(worker_id, batch.seq)
+
+    # ------------------------------------------------------------ load
     async def _on_load(self, snapshot: LoadSnapshot, _raw: Msg) -> None:
         if snapshot.source_id in self.directory.workers:
             self.loads.observe(snapshot)
 
+    async def _on_decision(self, event: RouteDecisionEvent, _raw: Msg) -> None:
+        if event.router_id != self.router_id:  # our own decisions were counted when made
+            self._count_routed(event.worker_id, event.prefill_worker_id, event.prefill_tokens, event.blocks)
+
+    def _count_routed(self, worker_id: str, prefill_worker_id: str, prefill_tokens: int, tokens: int) -> None:
+        self.loads.routed(worker_id, prefill_tokens, tokens)
+        if prefill_worker_id:
+            self.loads.routed(prefill_worker_id, tokens, 0)
+
+    # ------------------------------------------------------------ decisions
     async def _on_route(self, request: RouteRequest, raw: Msg) -> None:
         with _tracer.start_as_current_span("router.route") as span:
-            reply = self.policy.route(request, self.directory.live(), self.loads)
             span.set_attribute("infermesh.request_id", request.request_id)
+            plan = await self.decide(request)
+            reply = plan.reply
             if isinstance(reply, RouteDecision):
-                span.set_attribute("infermesh.worker_id", reply.worker_id)
+                span.set_attributes({"infermesh.worker_id": reply.worker_id,
+                                     "infermesh.num_cached_tokens_expected": reply.num_cached_tokens_expected,
+                                     "infermesh.sticky": plan.sticky})
+                if plan.repin_reason:
+                    span.set_attribute("infermesh.repin_reason", plan.repin_reason)
             else:
                 span.set_attribute("infermesh.route_rejected", reply.code)
             await self.bus.respond(raw, reply)
+
+    def view(self) -> RouteView:
+        return RouteView(self.directory.live(), self.loads, time.time(), self.open_breakers)
+
+    async def decide(self, request: RouteRequest) -> Plan:
+        """Route one request: the policy's plan, the session binding kept or moved, the load counted."""
+        if request.session_id and self.sessions is not None:
+            plan = await self._decide_in_session(request, request.session_id, self.sessions)
+        else:
+            plan = self.policy.route(request, self.view())
+        if isinstance(plan.reply, RouteDecision):
+            self.stats["decisions"] += 1
+            d = plan.reply
+            self._count_routed(d.worker_id, d.prefill_worker_id, plan.prefill_tokens, plan.prompt_tokens)
+            await self.bus.publish(self.bus.subjects.route_decisions, RouteDecisionEvent(
+                self.router_id, request.request_id, d.worker_id, plan.prefill_tokens, plan.prompt_tokens,
+                d.prefill_worker_id))
+        return plan
+
+    async def _decide_in_session(self, request: RouteRequest, session_id: str, sessions: SessionStore) -> Plan:
+        binding, revision = await sessions.get(session_id)
+        for _ in range(3):
+            plan = self.policy.route(request, self.view(), bound=binding.worker_id if binding else None)
+            if not isinstance(plan.reply, RouteDecision):
+                return plan
+            chosen, now = plan.reply.worker_id, time.time()
+            try:
+                if binding is not None and chosen == binding.worker_id:
+                    self.stats["sticky"] += 1
+                    if now - binding.ts > sessions.idle_ttl_s / 4:  # restart the idle TTL now and then
+                        await sessions.put(binding, revision)
+                    return plan
+                repins = binding.repins + 1 if binding else 0
+                reason = plan.repin_reason or ("new" if binding is None else "moved")
+                await sessions.put(SessionBinding(session_id, chosen, now, repins, reason), revision)
+            except BindingConflict:  # another replica wrote first: decide again with its binding
+                self.stats["binding_conflicts"] += 1
+                binding, revision = await sessions.get(session_id)
+                continue
+            if binding is not None:
+                self.stats["repins"] += 1
+                self.stats[f"repins:{reason}"] += 1
+                log.info("session %s re-pinned %s -> %s (%s)", session_id, binding.worker_id, chosen, reason)
+            return plan
+        return plan
+

@@ -30,8 +30,8 @@ class KvEventLog:
         self.source_id = source_id
         self.seq = 0
         self._recent: deque[KvEventBatch] = deque(maxlen=capacity)
-        # medium -> block hash -> (parent hash, token ids, block size, lora id), in storage order
-        self._blocks: dict[str, OrderedDict[int, tuple[int | None, list[int], int, int | None]]] = {}
+        # medium -> block hash -> (parent hash, token ids, block size, lora id, cache salt), in storage order
+        self._blocks: dict[str, OrderedDict[int, tuple[int | None, list[int], int, int | None, str | None]]] = {}
 
     def record(self, events: list[KvEvent]) -> KvEventBatch:
         """Number a batch of events, keep it for replay and apply it to the mirror."""
@@ -42,20 +42,33 @@ class KvEventLog:
             self._apply(event)
         return batch
 
-    def replay(self, after_seq: int) -> list[KvEventBatch] | None:
-        """The batches numbered after ``after_seq``; None when some of them left the buffer (take a snapshot)."""
+    def replay(self, after_seq: int, max_tokens: int = 0) -> list[KvEventBatch] | None:
+        """The batches numbered after ``after_seq``; None when some of them left the buffer (take a snapshot).
+
+        With ``max_tokens``, only the first batches holding about that many token ids (at least one):
+        the caller asks again after the last one it got (a NATS message has a size limit).
+        """
         if after_seq >= self.seq:
             return []
         oldest = self._recent[0].seq if self._recent else self.seq + 1
         if after_seq + 1 < oldest:
             return None
-        return [batch for batch in self._recent if batch.seq > after_seq]
+        batches, num_tokens = [], 0
+        for batch in self._recent:
+            if batch.seq <= after_seq:
+                continue
+            size = sum(len(e.token_ids) for e in batch.events if isinstance(e, BlockStored))
+            if batches and max_tokens and num_tokens + size > max_tokens:
+                break
+            batches.append(batch)
+            num_tokens += size
+        return batches
 
     def snapshot(self) -> KvSnapshot:
         """Every block held now, one single-block BlockStored each, as of batch ``seq``."""
-        blocks = [BlockStored([block_hash], parent, tokens, size, lora, medium)
+        blocks = [BlockStored([block_hash], parent, tokens, size, lora, medium, salt)
                   for medium, held in self._blocks.items()
-                  for block_hash, (parent, tokens, size, lora) in held.items()]
+                  for block_hash, (parent, tokens, size, lora, salt) in held.items()]
         return KvSnapshot(self.source_id, self.seq, time.time(), blocks)
 
     def num_blocks(self, medium: str = DEFAULT_MEDIUM) -> int:
@@ -66,7 +79,8 @@ class KvEventLog:
             held = self._blocks.setdefault(event.medium or DEFAULT_MEDIUM, OrderedDict())
             parent, size = event.parent_block_hash, event.block_size
             for i, block_hash in enumerate(event.block_hashes):
-                held[block_hash] = (parent, event.token_ids[i * size:(i + 1) * size], size, event.lora_id)
+                held[block_hash] = (parent, event.token_ids[i * size:(i + 1) * size], size, event.lora_id,
+                                    event.cache_salt)
                 parent = block_hash
         elif isinstance(event, BlockRemoved):
             held = self._blocks.get(event.medium or DEFAULT_MEDIUM)

@@ -21,12 +21,14 @@ from shared import schema
 from shared.bus import Bus, TokenStreamSender
 from shared.registry import WorkerRegistration
 from services.worker.kv_log import KvEventLog
-from shared.schema import (AbortRequest, GenerateRequest, KvReplayReply, KvReplayRequest, KvSnapshotRequest, LoadRequest,
+from shared.schema import (AbortRequest, GenerateRequest, KvReplayReply, KvReplayRequest, KvSnapshot, KvSnapshotRequest,
+                           LoadRequest,
                            LoadSnapshot, WorkerInfo)
 from shared.telemetry import tracer
 
 log = logging.getLogger("infermesh.worker")
 _tracer = tracer("infermesh.worker")
+SNAPSHOT_KEEP_S = 30.0  # how long a paged snapshot stays readable
 
 
 class WorkerService:
@@ -42,6 +44,8 @@ class WorkerService:
         self._registration: WorkerRegistration | None = None
         self._load_seq = 0
         self.kv_log = KvEventLog(self.worker_id)
+        self._started_at = time.time()
+        self._snapshots: dict[str, tuple[float, KvSnapshot]] = {}  # id -> (taken at, snapshot)
         self._num_finished = 0
         self._num_aborted = 0
         self._load_changed = asyncio.Event()
@@ -84,7 +88,7 @@ class WorkerService:
             worker_id=self.worker_id, role=self.config.role, model=sp.model, engine=self.engine.name,  # type: ignore[arg-type]
             block_size=sp.block_size, num_kv_blocks=sp.num_kv_blocks, max_model_len=sp.max_model_len,
             tokenizer=sp.tokenizer, kv_dtype=sp.kv_dtype, heartbeat_ttl_s=self.config.heartbeat_ttl_s,
-            started_at=time.time(), ts=time.time(),
+            started_at=self._started_at, ts=time.time(),
         )
 
     # ------------------------------------------------------------ handlers
@@ -105,7 +109,7 @@ class WorkerService:
             num_output = 0
             try:
                 async for out in self.engine.generate(request.request_id, request.prompt_token_ids, request.sampling,
-                                                      request.kv_transfer):
+                                                      request.kv_transfer, request.cache_salt):
                     num_output += len(out.token_ids)
                     if out.token_ids:
                         await stream.tokens(out.token_ids)
@@ -154,7 +158,7 @@ class WorkerService:
             source_id=self.worker_id, seq=self._load_seq, ts=schema.now(), num_running=load.num_running,
             num_waiting=load.num_waiting, num_active_blocks=load.num_active_blocks,
             num_kv_blocks=load.num_kv_blocks, num_aborted_total=self._num_aborted,
-            num_finished_total=self._num_finished,
+            num_finished_total=self._num_finished, num_prefill_tokens=load.num_prefill_tokens,
         )
 
     async def _publish_load_loop(self) -> None:
@@ -176,8 +180,21 @@ class WorkerService:
             await self.bus.nc.publish(subject, schema.encode(batch))
 
     async def _on_kv_replay(self, request: KvReplayRequest, raw: Msg) -> None:
-        batches = self.kv_log.replay(request.after_seq)
+        batches = self.kv_log.replay(request.after_seq, request.max_tokens)
         await self.bus.respond(raw, KvReplayReply(batches or [], complete=batches is not None))
 
-    async def _on_kv_snapshot(self, _request: KvSnapshotRequest, raw: Msg) -> None:
-        await self.bus.respond(raw, self.kv_log.snapshot())
+    async def _on_kv_snapshot(self, request: KvSnapshotRequest, raw: Msg) -> None:
+        """Page 0 takes a snapshot and keeps it a while under a new id; later pages read that one."""
+        now = time.monotonic()
+        self._snapshots = {k: v for k, v in self._snapshots.items() if now - v[0] < SNAPSHOT_KEEP_S}
+        kept = self._snapshots.get(request.snapshot_id)
+        if kept is None:
+            snapshot = self.kv_log.snapshot()
+            snapshot_id = uuid.uuid4().hex[:12]
+            self._snapshots[snapshot_id] = (now, snapshot)
+        else:
+            snapshot_id, snapshot = request.snapshot_id, kept[1]
+        start = request.start if kept is not None else 0
+        page = snapshot.blocks[start:start + max(1, request.max_blocks)]
+        await self.bus.respond(raw, KvSnapshot(snapshot.source_id, snapshot.seq, snapshot.ts, page, snapshot_id,
+                                               start, len(snapshot.blocks)))

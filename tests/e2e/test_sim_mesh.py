@@ -64,7 +64,9 @@ async def test_stream_equals_non_stream_and_usage_is_exact(mesh, client):
     for u in (full.usage, usage):
         assert (u.prompt_tokens, u.completion_tokens) == (len(prompt_ids), 12)
         assert u.total_tokens == len(prompt_ids) + 12
-        assert u.prompt_tokens_details.cached_tokens == 0
+    assert full.usage.prompt_tokens_details.cached_tokens == 0
+    # the KV-aware router may send the repeat to the worker holding its first block (16 of 20 tokens)
+    assert usage.prompt_tokens_details.cached_tokens in (0, 16)
 
 
 async def test_completions_endpoint_and_stop_string(client):
@@ -131,7 +133,8 @@ async def test_client_disconnect_aborts_engine_request(mesh, namespace):
         for worker in mesh.workers:
             snap = await bus.request(bus.subjects.worker_load(worker.worker_id), LoadRequest(), LoadSnapshot)
             loads[worker.worker_id] = snap
-        return all(s.num_running == 0 for s in loads.values())
+        # the engine drops an aborted request at once; the worker counts it when its stream ends
+        return all(s.num_running == 0 for s in loads.values()) and any(s.num_aborted_total for s in loads.values())
 
     elapsed = await eventually(all_idle, 1.0, 0.02)
     assert sum(s.num_aborted_total for s in loads.values()) == 1, (elapsed, loads)

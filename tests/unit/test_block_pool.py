@@ -23,8 +23,9 @@ def stored(event) -> list[int]:
     return event.block_hashes
 
 
-def gpu_stored(hashes: list[int], parent: int | None, token_ids: list[int]) -> BlockStored:
-    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=token_ids, block_size=BS, medium="GPU")
+def gpu_stored(hashes: list[int], parent: int | None, token_ids: list[int], salt: str | None = None) -> BlockStored:
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=token_ids, block_size=BS, medium="GPU",
+                       cache_salt=salt)
 
 
 def cpu_stored(block_hash: int, parent: int | None, token_ids: list[int]) -> BlockStored:
@@ -53,11 +54,12 @@ def test_fast_hash_is_64_bit_chained_and_usable_by_the_pool() -> None:
     assert hashes != block_hashes(toks(0, 10), BS, ("m",))
     pool = BlockPool(num_blocks=8, block_size=BS, hasher=fast_hash_block)
     assert pool.allocate("a", toks(0, 10), ("m",)) == 0
-    assert pool.drain_events() == [gpu_stored(hashes, None, toks(0, 8))] and pool.cached_hashes() == set(hashes)
+    # a sim request's extra is (cache_salt,): the salt rides on its events for the router's salted chain
+    assert pool.drain_events() == [gpu_stored(hashes, None, toks(0, 8), "m")] and pool.cached_hashes() == set(hashes)
     assert pool.allocate("b", toks(0, 9), ("m",)) == 8 and pool.find_cached_prefix(toks(0, 9)) == 0
     pool.append_tokens("b", toks(9, 3))
     assert pool.drain_events() == [gpu_stored(block_hashes(toks(0, 12), BS, ("m",), fast_hash_block)[2:],
-                                              hashes[1], toks(8, 4))]
+                                              hashes[1], toks(8, 4), "m")]
 
 
 @pytest.mark.parametrize(

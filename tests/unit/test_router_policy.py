@@ -1,4 +1,4 @@
-"""services/router/policy.py: least-loaded routing over the router's load view."""
+"""services/router/policy.py: the KV-aware policy (filters, affinity, cost, pick, prefill pairing) and least-loaded."""
 
 from __future__ import annotations
 
@@ -6,151 +6,245 @@ from collections import Counter
 
 import pytest
 
-from services.router.policy import LeastLoadedPolicy, LoadView
-from shared.schema import LoadSnapshot, RouteDecision, RouteRejected, RouteRequest, WorkerInfo
+from services.affinity.binding import AffinityLimits
+from services.router.index import PrefixIndex
+from services.router.policy import KvAwarePolicy, KvRoutingConfig, LeastLoadedPolicy, RouteView
+from services.router.scoring import CostWeights, LoadView
+from shared.prefix_hash import prompt_hashes
+from shared.schema import BlockStored, LoadSnapshot, RouteDecision, RouteRejected, RouteRequest, WorkerInfo
+
+BS = 16
+NOW = 1000.0
 
 
-def worker(worker_id: str, role: str = "both", model: str = "m") -> WorkerInfo:
-    return WorkerInfo(worker_id=worker_id, role=role, model=model, engine="sim", block_size=16,
-                      num_kv_blocks=100, max_model_len=1024, tokenizer="")
+def worker(worker_id: str, role: str = "both", model: str = "m", block_size: int = BS, kv_dtype: str = "auto",
+           num_kv_blocks: int = 1000) -> WorkerInfo:
+    return WorkerInfo(worker_id=worker_id, role=role, model=model, engine="sim", block_size=block_size,
+                      num_kv_blocks=num_kv_blocks, max_model_len=100_000, tokenizer="", kv_dtype=kv_dtype, ts=NOW)
 
 
-def snap(worker_id: str, running: int = 0, waiting: int = 0, seq: int = 1, ts: float = 1.0) -> LoadSnapshot:
+def snap(worker_id: str, running: int = 0, waiting: int = 0, blocks: int = 0, prefill: int = 0, seq: int = 1,
+         ts: float = 1.0) -> LoadSnapshot:
     return LoadSnapshot(source_id=worker_id, seq=seq, ts=ts, num_running=running, num_waiting=waiting,
-                        num_active_blocks=0, num_kv_blocks=100)
+                        num_active_blocks=blocks, num_kv_blocks=1000, num_prefill_tokens=prefill)
 
 
-def request(model: str = "m", exclude: list[str] | None = None) -> RouteRequest:
-    return RouteRequest(request_id="r", model=model, num_prompt_tokens=10, exclude_worker_ids=exclude or [])
-
-
-def view(*snapshots: LoadSnapshot) -> LoadView:
-    loads = LoadView()
+def loads(*snapshots: LoadSnapshot) -> LoadView:
+    view = LoadView()
     for s in snapshots:
-        loads.observe(s)
-    return loads
+        view.observe(s)
+    return view
 
 
-@pytest.mark.parametrize(
-    "workers, req, code",
-    [
-        ([], request(), "model_not_found"),
-        ([worker("a", model="other")], request(), "model_not_found"),
-        ([worker("a", role="prefill"), worker("b", role="prefill")], request(), "no_capacity"),
-        ([worker("a"), worker("b", role="decode")], request(exclude=["a", "b"]), "no_capacity"),
-    ],
-)
-def test_rejected(workers, req, code):
-    reply = LeastLoadedPolicy().route(req, workers, LoadView())
-    assert isinstance(reply, RouteRejected)
-    assert reply.code == code
+def tokens(n: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n))
 
 
-@pytest.mark.parametrize(
-    "workers, snapshots, req, chosen",
-    [
-        # least loaded wins; running and waiting both count
-        ([worker("a"), worker("b"), worker("c")], [snap("a", 3), snap("b", 1), snap("c", 2)], request(), "b"),
-        ([worker("a"), worker("b")], [snap("a", 1, 0), snap("b", 0, 2)], request(), "a"),
-        # a worker without a snapshot counts as idle
-        ([worker("a"), worker("b")], [snap("a", 1)], request(), "b"),
-        # exclude list honoured even when the excluded worker is the least loaded
-        ([worker("a"), worker("b")], [snap("a", 0), snap("b", 5)], request(exclude=["a"]), "b"),
-        # prefill-only workers never serve; decode workers do
-        ([worker("a", role="prefill"), worker("b", role="decode")], [snap("b", 9)], request(), "b"),
-        # other models' workers are ignored
-        ([worker("a", model="x"), worker("b")], [snap("b", 9)], request(), "b"),
-    ],
-)
+def request(prompt: list[int] | int = 64, rid: str = "r", session: str | None = None,
+            exclude: list[str] | None = None, model: str = "m", salt: str | None = None) -> RouteRequest:
+    ids = tokens(prompt) if isinstance(prompt, int) else prompt
+    return RouteRequest(rid, model, len(ids), session, exclude or [], prompt_hashes(ids, model, None, salt, BS), BS)
+
+
+def cached(index: PrefixIndex, worker_id: str, ids: list[int], medium: str = "GPU", salt: str | None = None) -> None:
+    """``worker_id`` holds the full blocks of ``ids`` (engine hashes made up: 1000*slot + i)."""
+    n = len(ids) // BS
+    base = 1_000_000 * (index.workers().index(worker_id) + 1) + (0 if medium == "GPU" else 500_000)
+    index.apply(worker_id, [BlockStored([base + i for i in range(n)], None, ids[:n * BS], BS, medium=medium,
+                                        cache_salt=salt)])
+
+
+def setup(*workers: WorkerInfo, weights: CostWeights = CostWeights(), **config) -> tuple[KvAwarePolicy, list]:
+    index = PrefixIndex(BS)
+    for w in workers:
+        index.add_worker(w.worker_id, w.model)
+    return KvAwarePolicy(index, KvRoutingConfig(weights=weights, **config)), list(workers)
+
+
+def route(policy, workers, req, view_loads=None, bound=None, open_breakers=frozenset()):
+    return policy.route(req, RouteView(workers, view_loads or LoadView(), NOW, frozenset(open_breakers)), bound)
+
+
+# ------------------------------------------------------------ rejections and filters
+@pytest.mark.parametrize("policy_kind", ["kv", "ll"])
+@pytest.mark.parametrize("workers, req, breakers, code", [
+    ([], request(), (), "model_not_found"),
+    ([worker("a", model="other")], request(), (), "model_not_found"),
+    ([worker("a", role="prefill")], request(), (), "no_capacity"),
+    ([worker("a"), worker("b", role="decode")], request(exclude=["a", "b"]), (), "no_capacity"),
+    ([worker("a"), worker("b")], request(), ("a", "b"), "no_capacity"),  # every breaker open
+])
+def test_rejected(policy_kind, workers, req, breakers, code):
+    policy = setup(*workers)[0] if policy_kind == "kv" else LeastLoadedPolicy()
+    plan = route(policy, workers, req, open_breakers=breakers)
+    assert isinstance(plan.reply, RouteRejected) and plan.reply.code == code
+
+
+def test_stale_heartbeat_breaker_and_excluded_workers_are_never_chosen():
+    stale = WorkerInfo(worker_id="stale", role="both", model="m", engine="sim", block_size=BS, num_kv_blocks=1000,
+                       max_model_len=100_000, tokenizer="", ts=NOW - 60)
+    policy, workers = setup(worker("a"), worker("b"), worker("c"), stale)
+    for i in range(50):
+        plan = route(policy, workers, request(rid=f"r{i}", exclude=["b"]), open_breakers={"c"})
+        assert plan.reply.worker_id == "a"
+
+
+# ------------------------------------------------------------ prefix overlap decides
+def test_a_cached_prefix_wins_over_an_idle_worker():
+    policy, workers = setup(worker("a"), worker("b"), worker("c"))
+    prompt = tokens(32 * BS)
+    cached(policy.index, "b", prompt[:30 * BS])
+    plan = route(policy, workers, request(prompt), loads(snap("b", running=2, blocks=4)))
+    assert plan.reply == RouteDecision("b", num_cached_tokens_expected=30 * BS)
+    assert plan.prefill_tokens == 2 * BS and plan.prompt_tokens == 32 * BS
+
+
+def test_load_outweighs_a_short_overlap():
+    policy, workers = setup(worker("a"), worker("b"))
+    prompt = tokens(8 * BS)
+    cached(policy.index, "b", prompt[:2 * BS])
+    # b saves 2 blocks of prefill but holds 50 more active blocks than a
+    plan = route(policy, workers, request(prompt), loads(snap("b", blocks=50)))
+    assert plan.reply.worker_id == "a" and plan.reply.num_cached_tokens_expected == 0
+
+
+@pytest.mark.parametrize("host_weight, chosen", [(0.75, "dev"), (1.0, "dev"), (0.0, "dev")])
+def test_device_overlap_beats_the_same_overlap_on_the_host_tier(host_weight, chosen):
+    policy, workers = setup(worker("dev"), worker("host"), weights=CostWeights(host_overlap=host_weight))
+    prompt = tokens(10 * BS)
+    cached(policy.index, "dev", prompt[:6 * BS])
+    cached(policy.index, "host", prompt[:6 * BS], medium="CPU")
+    costs = route(policy, workers, request(prompt)).costs
+    assert costs["host"] - costs["dev"] == pytest.approx(6 * (1 - host_weight))
+    if host_weight < 1.0:
+        assert route(policy, workers, request(prompt)).reply.worker_id == chosen
+
+
+def test_salted_blocks_match_only_the_same_salt():
+    policy, workers = setup(worker("a"), worker("b"))
+    prompt = tokens(8 * BS)
+    cached(policy.index, "a", prompt, salt="tenant-1")
+    assert route(policy, workers, request(prompt, salt="tenant-1")).reply.num_cached_tokens_expected == 8 * BS
+    for salt in (None, "tenant-2"):
+        assert route(policy, workers, request(prompt, salt=salt)).reply.num_cached_tokens_expected == 0
+
+
+def test_hashes_at_another_block_size_are_ignored_not_misread():
+    policy, workers = setup(worker("a"), worker("b"))
+    prompt = tokens(8 * BS)
+    cached(policy.index, "a", prompt)
+    req = RouteRequest("r", "m", len(prompt), block_hashes=prompt_hashes(prompt, "m", block_size=32), block_size=32)
+    assert route(policy, workers, req).reply.num_cached_tokens_expected == 0
+
+
+def test_pending_load_spreads_a_burst_of_cold_requests():
+    policy, workers = setup(*(worker(w) for w in "abcd"))
+    view_loads = LoadView()
+    picks = Counter()
+    for i in range(40):
+        plan = route(policy, workers, request(tokens(4 * BS, start=100 * i), rid=f"r{i}"), view_loads)
+        view_loads.routed(plan.reply.worker_id, plan.prefill_tokens, plan.prompt_tokens)  # as the service does
+        picks[plan.reply.worker_id] += 1
+    assert picks == {"a": 10, "b": 10, "c": 10, "d": 10}
+
+
+def test_same_view_same_decision_for_every_replica():
+    ws = [worker(f"w{i}") for i in range(8)]
+    replicas = [setup(*ws, temperature=t)[0] for t in (0.0, 0.0)] + [setup(*ws, temperature=0.5)[0] for _ in (0, 1)]
+    for i in range(100):
+        a, b, c, d = (route(p, ws, request(rid=f"r{i}")).reply.worker_id for p in replicas)
+        assert a == b and c == d
+
+
+def test_softmax_temperature_spreads_ties_and_favours_low_cost():
+    ws = [worker("cheap"), worker("dear")]
+    policy = setup(*ws, temperature=1.0)[0]
+    picks = Counter(route(policy, ws, request(rid=f"r{i}"), loads(snap("dear", blocks=40))).reply.worker_id
+                    for i in range(400))
+    assert picks["cheap"] > picks["dear"] > 0
+
+
+# ------------------------------------------------------------ session affinity
+def test_a_bound_session_stays_even_when_another_worker_is_cheaper():
+    policy, workers = setup(worker("a"), worker("b"))
+    plan = route(policy, workers, request(session="s"), loads(snap("a", blocks=30)), bound="a")
+    assert plan.reply.worker_id == "a" and plan.sticky and plan.repin_reason is None
+
+
+@pytest.mark.parametrize("bound, breakers, exclude, snapshot, reason", [
+    ("gone", (), [], snap("a", blocks=5), "gone"),
+    ("a", ("a",), [], None, "breaker_open"),
+    ("a", (), ["a"], None, "excluded"),
+    ("a", (), [], snap("a", blocks=990), "overloaded"),  # 99% KV usage > 95%
+])
+def test_a_bound_session_is_repinned_with_a_reason(bound, breakers, exclude, snapshot, reason):
+    policy, workers = setup(worker("a"), worker("b"))
+    plan = route(policy, workers, request(session="s", exclude=exclude), loads(snapshot) if snapshot else None,
+                 bound=bound, open_breakers=breakers)
+    assert plan.reply.worker_id == "b" and not plan.sticky and plan.repin_reason == reason
+
+
+def test_queued_prefill_limit_repins_when_set():
+    ws = [worker("a"), worker("b")]
+    busy = loads(snap("a", prefill=5000))
+    assert route(setup(*ws)[0], ws, request(session="s"), busy, bound="a").reply.worker_id == "a"
+    limited = setup(*ws, affinity=AffinityLimits(max_queued_prefill_tokens=4096))[0]
+    assert route(limited, ws, request(session="s"), busy, bound="a").repin_reason == "overloaded"
+
+
+# ------------------------------------------------------------ prefill pool (disaggregated)
+def test_prefill_worker_is_the_cheapest_compatible_one():
+    ws = [worker("d", role="decode"), worker("p-far", role="prefill"), worker("p-near", role="prefill"),
+          worker("p-fp8", role="prefill", kv_dtype="fp8"), worker("p-bs32", role="prefill", block_size=32)]
+    policy = setup(*ws)[0]
+    prompt = tokens(20 * BS)
+    cached(policy.index, "p-near", prompt[:12 * BS])
+    cached(policy.index, "p-fp8", prompt)  # holds it all, but its KV cannot go to d
+    cached(policy.index, "p-bs32", prompt)
+    for i in range(20):
+        plan = route(policy, ws, request(prompt, rid=f"r{i}"))
+        assert plan.reply == RouteDecision("d", 0, prefill_worker_id="p-near")
+        assert plan.prefill_tokens == 0  # the decoder computes nothing
+
+
+@pytest.mark.parametrize("cached_blocks, min_remote, remote", [
+    (0, 1, True), (20, 1, False),  # all cached on the decoder: no hop
+    (14, 128, False), (12, 128, True),  # 96 uncached < 128: local; 128 uncached: remote
+])
+def test_conditional_disaggregation(cached_blocks, min_remote, remote):
+    ws = [worker("d", role="decode"), worker("p", role="prefill")]
+    policy = setup(*ws, min_remote_prefill_tokens=min_remote)[0]
+    prompt = tokens(20 * BS)
+    if cached_blocks:
+        cached(policy.index, "d", prompt[:cached_blocks * BS])
+    plan = route(policy, ws, request(prompt))
+    assert plan.reply.prefill_worker_id == ("p" if remote else "")
+
+
+# ------------------------------------------------------------ least-loaded
+@pytest.mark.parametrize("workers, snapshots, req, chosen", [
+    ([worker("a"), worker("b"), worker("c")], [snap("a", 3), snap("b", 1), snap("c", 2)], request(), "b"),
+    ([worker("a"), worker("b")], [snap("a", 1, 0), snap("b", 0, 2)], request(), "a"),
+    ([worker("a"), worker("b")], [snap("a", 1)], request(), "b"),  # no snapshot: idle
+    ([worker("a"), worker("b")], [snap("a", 0), snap("b", 5)], request(exclude=["a"]), "b"),
+    ([worker("a", role="prefill"), worker("b", role="decode")], [snap("b", 9)], request(), "b"),
+    ([worker("a", model="x"), worker("b")], [snap("b", 9)], request(), "b"),
+])
 def test_least_loaded_chosen(workers, snapshots, req, chosen):
-    reply = LeastLoadedPolicy().route(req, workers, view(*snapshots))
-    assert isinstance(reply, RouteDecision) and reply.worker_id == chosen
+    assert LeastLoadedPolicy().route(req, RouteView(workers, loads(*snapshots), NOW)).reply.worker_id == chosen
 
 
-@pytest.mark.parametrize(
-    "workers, snapshots, num_prompt, min_remote, decision",
-    [
-        # no prefill workers: aggregated
-        ([worker("a"), worker("b", role="decode")], [snap("a", 1)], 10, 1, RouteDecision("b")),
-        # a prefill pool: the least-loaded prefill worker computes the prompt
-        ([worker("p1", role="prefill"), worker("p2", role="prefill"), worker("d", role="decode")],
-         [snap("p1", 3), snap("p2", 1)], 10, 1, RouteDecision("d", prefill_worker_id="p2")),
-        # short prompts skip the prefill hop
-        ([worker("p1", role="prefill"), worker("d", role="decode")], [], 10, 64, RouteDecision("d")),
-        ([worker("p1", role="prefill"), worker("d", role="decode")], [], 64, 64, RouteDecision("d", prefill_worker_id="p1")),
-        # another model's prefill workers are not used
-        ([worker("p1", role="prefill", model="x"), worker("d", role="decode")], [], 10, 1, RouteDecision("d")),
-    ],
-)
-def test_prefill_worker_paired_when_the_model_has_a_prefill_pool(workers, snapshots, num_prompt, min_remote,
-                                                                 decision):
-    req = RouteRequest(request_id="r", model="m", num_prompt_tokens=num_prompt)
-    assert LeastLoadedPolicy(min_remote_prefill_tokens=min_remote).route(req, workers, view(*snapshots)) == decision
+def test_least_loaded_pairs_the_least_loaded_compatible_prefill_worker():
+    ws = [worker("p1", role="prefill"), worker("p2", role="prefill"), worker("p3", role="prefill", kv_dtype="fp8"),
+          worker("d", role="decode")]
+    plan = LeastLoadedPolicy().route(request(), RouteView(ws, loads(snap("p1", 3), snap("p2", 1)), NOW))
+    assert plan.reply == RouteDecision("d", prefill_worker_id="p2")
+    short = LeastLoadedPolicy(min_remote_prefill_tokens=100).route(request(64), RouteView(ws, LoadView(), NOW))
+    assert short.reply == RouteDecision("d")
 
 
-def test_excluded_prefill_worker_is_not_paired():
-    workers = [worker("p1", role="prefill"), worker("d", role="decode")]
-    assert LeastLoadedPolicy().route(request(exclude=["p1"]), workers, LoadView()) == RouteDecision("d")
-
-
-def test_ties_spread_round_robin():
-    policy = LeastLoadedPolicy()
-    workers = [worker("c"), worker("a"), worker("b")]
-    # a fresh (all idle) view each time: only the tie-break decides
-    picks = [policy.route(request(), workers, LoadView()).worker_id for _ in range(6)]
-    assert picks == ["a", "b", "c", "a", "b", "c"]
-
-
-def test_repeated_calls_share_one_view_evenly():
-    policy, loads = LeastLoadedPolicy(), LoadView()
-    workers = [worker("a"), worker("b"), worker("c")]
-    picks = Counter(policy.route(request(), workers, loads).worker_id for _ in range(9))
-    assert picks == {"a": 3, "b": 3, "c": 3}
-
-
-def test_routed_since_snapshot_counts_until_next_snapshot():
-    policy, loads = LeastLoadedPolicy(), view(snap("a", 0), snap("b", 2))
-    workers = [worker("a"), worker("b")]
-    assert [policy.route(request(), workers, loads).worker_id for _ in range(2)] == ["a", "a"]
-    assert loads.routed_since_snapshot == {"a": 2, "b": 0}
-    assert loads.num_requests("a") == 2
-    loads.observe(snap("a", 0, seq=2, ts=2.0))  # a's fresh snapshot supersedes the guesses
-    assert loads.routed_since_snapshot["a"] == 0
-    assert policy.route(request(), workers, loads).worker_id == "a"
-
-
-@pytest.mark.parametrize(
-    "second, applied",
-    [
-        (snap("a", 7, seq=1, ts=1.0), False),  # duplicate
-        (snap("a", 7, seq=0, ts=0.5), False),  # stale: lower seq and ts
-        (snap("a", 7, seq=2, ts=2.0), True),
-        (snap("a", 7, seq=0, ts=2.0), True),  # a restarted worker: seq reset, newer ts
-        (snap("a", 7, seq=2, ts=0.5), True),
-    ],
-)
-def test_observe_ignores_stale_snapshots(second, applied):
-    loads = view(snap("a", 1, seq=1, ts=1.0))
-    loads.routed("a")
-    loads.observe(second)
-    assert loads.num_requests("a") == (7 if applied else 2)
-
-
-def test_forget_drops_a_worker():
-    loads = view(snap("a", 4), snap("b", 1))
-    loads.routed("a")
-    loads.forget("a")
-    loads.forget("never-seen")
-    assert "a" not in loads.snapshots and "a" not in loads.routed_since_snapshot
-    assert loads.num_requests("a") == 0
-    assert loads.num_requests("b") == 1
-
-
-def test_idle_decode_and_prefill_pools_each_spread_over_all_their_workers():
-    # regression: one tie-break counter served both picks of a route, advancing by 2 per request,
-    # so each pool with an even number of tied workers only ever got every other worker
-    policy = LeastLoadedPolicy()
-    workers = [worker(f"d{i}", role="decode") for i in range(4)] + [worker(f"p{i}", role="prefill") for i in range(4)]
-    decisions = [policy.route(request(), workers, LoadView()) for _ in range(8)]
-    assert Counter(d.worker_id for d in decisions) == {f"d{i}": 2 for i in range(4)}
-    assert Counter(d.prefill_worker_id for d in decisions) == {f"p{i}": 2 for i in range(4)}
+def test_least_loaded_ties_spread_over_request_ids():
+    ws = [worker(f"d{i}", role="decode") for i in range(4)] + [worker(f"p{i}", role="prefill") for i in range(4)]
+    plans = [LeastLoadedPolicy().route(request(rid=f"r{i}"), RouteView(ws, LoadView(), NOW)) for i in range(400)]
+    assert set(Counter(p.reply.worker_id for p in plans)) == {f"d{i}" for i in range(4)}
+    assert set(Counter(p.reply.prefill_worker_id for p in plans)) == {f"p{i}" for i in range(4)}

@@ -29,3 +29,20 @@ def test_vllm_batches_convert_in_order(block_hash, expected):
         BlockRemoved([expected], "GPU"),
         AllBlocksCleared(),
     ]
+
+
+@pytest.mark.parametrize("lora_name, extra_keys, parent, expected", [
+    (None, None, None, None),
+    (None, [("tenant-a",)], None, "tenant-a"),
+    ("adapter", [("adapter", "tenant-b")], None, "tenant-b"),  # LoRA name comes first, untagged
+    ("adapter", [("adapter",)], None, None),
+    (None, [(("mm-1", 0), "tenant-c")], None, "tenant-c"),  # multimodal pairs before the salt
+    (None, [("tenant-a",)], 99, None),  # only a chain's first block is salted
+])
+def test_cache_salt_comes_from_the_first_blocks_extra_keys(lora_name, extra_keys, parent, expected):
+    batch = kv_events.KVEventBatch(ts=1.0, events=[
+        kv_events.BlockStored(block_hashes=[5], parent_block_hash=parent, token_ids=[1, 2], block_size=2,
+                              lora_id=None, medium="GPU", lora_name=lora_name, extra_keys=extra_keys),
+    ])
+    [event] = convert_batch(msgspec.msgpack.encode(batch))
+    assert event.cache_salt == expected

@@ -52,6 +52,7 @@ class EngineLoad:
     num_waiting: int
     num_active_blocks: int
     num_kv_blocks: int
+    num_prefill_tokens: int = 0  # prompt tokens admitted but not yet computed (queued prefill work)
 
 
 class Engine(abc.ABC):
@@ -68,7 +69,7 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-        kv_transfer: KvTransfer | None = None,
+        kv_transfer: KvTransfer | None = None, cache_salt: str | None = None,
     ) -> AsyncIterator[EngineOutput]: ...
 
     @abc.abstractmethod

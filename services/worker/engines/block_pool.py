@@ -18,7 +18,9 @@ Free blocks that still hold a cached block stay findable until they are reused:
 blocks are freed tail first, so its prefix is the last to be evicted. Unlike vLLM (one
 free queue), uncached free blocks are used before any cached block is evicted, and a
 block that fills with a hash already cached elsewhere is not cached a second time.
-``extra`` (model, LoRA, cache salt) enters every block's hash, not only the first.
+``extra`` enters every block's hash, not only the first; the sim engine passes ``(cache_salt,)``
+for a salted request (``()`` otherwise), and the salt rides on its BlockStored events so the
+router can start its own salted chain (``shared.prefix_hash``).
 
 Optional host-DRAM tier (``host_num_blocks > 0``), an LRU of hashes only (inclusive, write-back):
 
@@ -77,6 +79,11 @@ def block_hashes(token_ids: Sequence[int], block_size: int, extra: tuple = (),
     return hashes
 
 
+def salt_of(extra: tuple) -> str | None:
+    """The cache salt in a sim request's ``extra`` (``(cache_salt,)`` or ``()``)."""
+    return extra[0] if extra else None
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -113,8 +120,8 @@ class BlockPool:
         self.record_events = record_events  # off in the offline simulator, which never reads them
         self._ref_counts = [0] * num_blocks
         self._block_id_to_hash: list[int | None] = [None] * num_blocks
-        # (parent hash, tokens) of each cached block, kept only with a host tier, to announce its write-back
-        self._block_id_to_content: list[tuple[int | None, list[int]] | None] = [None] * num_blocks
+        # (parent hash, tokens, salt) of each cached block, kept only with a host tier, to announce its write-back
+        self._block_id_to_content: list[tuple[int | None, list[int], str | None] | None] = [None] * num_blocks
         self._hash_to_block_id: dict[int, int] = {}
         self._uncached_free_ids = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is taken first
         self._evictable_ids: OrderedDict[int, None] = OrderedDict()  # head = least recently freed
@@ -299,12 +306,12 @@ class BlockPool:
             if self.host_num_blocks:
                 content, self._block_id_to_content[block_id] = self._block_id_to_content[block_id], None
                 assert content is not None or not self.record_events
-                self._write_back(block_hash, *(content or (None, [])))
+                self._write_back(block_hash, *(content or (None, [], None)))
         assert self._ref_counts[block_id] == 0
         self._ref_counts[block_id] = 1
         return block_id
 
-    def _write_back(self, block_hash: int, parent_hash: int | None, token_ids: list[int]) -> None:
+    def _write_back(self, block_hash: int, parent_hash: int | None, token_ids: list[int], salt: str | None) -> None:
         """Copy an evicted device block's hash into the host tier, dropping the host's LRU hash if full."""
         if block_hash in self._host_hashes:
             self._host_hashes.move_to_end(block_hash)
@@ -317,7 +324,7 @@ class BlockPool:
         if self.record_events:
             self._events.append(BlockStored(block_hashes=[block_hash], parent_block_hash=parent_hash,
                                             token_ids=token_ids, block_size=self.block_size, lora_id=None,
-                                            medium=HOST_MEDIUM))
+                                            medium=HOST_MEDIUM, cache_salt=salt))
 
     def _fill_blocks(self, request: _Request, first_index: int, token_ids: list[int],
                      known_hashes: Sequence[int] = ()) -> None:
@@ -335,19 +342,20 @@ class BlockPool:
                           else self.hasher(request.last_hash, block_tokens, request.extra))
             block_id = request.block_ids[first_index + i]
             if block_hash in self._hash_to_block_id:  # another block holds it: keep that one, announce nothing
-                self._flush_stored(run_parent, run_hashes, token_ids[run_start * size:i * size])
+                self._flush_stored(run_parent, run_hashes, token_ids[run_start * size:i * size], request.extra)
                 run_start, run_parent, run_hashes = i + 1, block_hash, []
             else:
                 self._hash_to_block_id[block_hash] = block_id
                 self._block_id_to_hash[block_id] = block_hash
                 if self.host_num_blocks and self.record_events:
-                    self._block_id_to_content[block_id] = (request.last_hash, block_tokens)
+                    self._block_id_to_content[block_id] = (request.last_hash, block_tokens, salt_of(request.extra))
                 run_hashes.append(block_hash)
             request.last_hash = block_hash
-        self._flush_stored(run_parent, run_hashes, token_ids[run_start * size:num_full * size])
+        self._flush_stored(run_parent, run_hashes, token_ids[run_start * size:num_full * size], request.extra)
         request.tail_token_ids = token_ids[num_full * size:]
 
-    def _flush_stored(self, parent_hash: int | None, hashes: list[int], token_ids: list[int]) -> None:
+    def _flush_stored(self, parent_hash: int | None, hashes: list[int], token_ids: list[int], extra: tuple) -> None:
         if hashes and self.record_events:
             self._events.append(BlockStored(block_hashes=hashes, parent_block_hash=parent_hash, token_ids=token_ids,
-                                            block_size=self.block_size, lora_id=None, medium=self.medium))
+                                            block_size=self.block_size, lora_id=None, medium=self.medium,
+                                            cache_salt=salt_of(extra)))

@@ -132,7 +132,7 @@ class SimEngine(Engine):
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-        kv_transfer: KvTransfer | None = None,
+        kv_transfer: KvTransfer | None = None, cache_salt: str | None = None,
     ) -> AsyncIterator[EngineOutput]:
         if not prompt_token_ids:
             raise EngineRequestError("the prompt is empty")
@@ -141,7 +141,7 @@ class SimEngine(Engine):
                                      f"exceed the model's context of {self.config.max_model_len} tokens")
         stop_ids = frozenset() if sampling.ignore_eos else frozenset(sampling.stop_token_ids)
         request = SimRequest(request_id, list(prompt_token_ids), sampling.max_tokens, stop_ids, arrival_t=self.now(),
-                             remote_kv=kv_transfer is not None)
+                             remote_kv=kv_transfer is not None, extra=(cache_salt,) if cache_salt else ())
         try:
             self.worker.add(request, seed=sampling.seed)
         except ValueError as exc:

@@ -119,7 +119,9 @@ class SimWorker:
 
     def load(self) -> EngineLoad:
         s = self.scheduler
-        return EngineLoad(len(s.running), len(s.waiting), self.pool.num_used_blocks, self.pool.num_blocks)
+        pending = sum(max(len(r.prompt_token_ids) - r.num_computed_tokens, 0) for r in (*s.running, *s.waiting)
+                      if not r.output_token_ids)
+        return EngineLoad(len(s.running), len(s.waiting), self.pool.num_used_blocks, self.pool.num_blocks, pending)
 
     # ------------------------------------------------------------ steps
     def begin_step(self, now: float) -> Step | None:

@@ -111,6 +111,7 @@ class VllmEngine(Engine):
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
         kv_transfer: KvTransfer | None = None,  # disaggregation for vLLM comes with the NIXL connector
+        cache_salt: str | None = None,
     ) -> AsyncIterator[EngineOutput]:
         from vllm.exceptions import VLLMValidationError
         from vllm.inputs import tokens_input
@@ -119,7 +120,7 @@ class VllmEngine(Engine):
         self._running[request_id] = state
         num_cached = 0
         try:
-            stream = self._llm.generate(tokens_input(prompt_token_ids), self._sampling(sampling), request_id)
+            stream = self._llm.generate(tokens_input(prompt_token_ids, cache_salt=cache_salt), self._sampling(sampling), request_id)
             async for out in _rejections_as(stream, VLLMValidationError):
                 if out.num_cached_tokens:
                     num_cached = out.num_cached_tokens
@@ -149,7 +150,8 @@ class VllmEngine(Engine):
     def load(self) -> EngineLoad:
         bs = max(1, self._block_size)
         blocks = sum(math.ceil((s.num_prompt_tokens + s.num_output_tokens) / bs) for s in self._running.values())
-        return EngineLoad(len(self._running), 0, blocks, self._num_kv_blocks)
+        prefill = sum(s.num_prompt_tokens for s in self._running.values() if not s.num_output_tokens)
+        return EngineLoad(len(self._running), 0, blocks, self._num_kv_blocks, prefill)
 
 
 async def _rejections_as(stream: AsyncIterator[Any], rejection: type[Exception]) -> AsyncIterator[Any]:

@@ -10,7 +10,7 @@ so these only need to be stable ids for matching BlockRemoved to BlockStored).
 from __future__ import annotations
 
 import logging
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import msgspec
 from msgspec import Struct
@@ -29,6 +29,8 @@ class _Stored(Struct, tag="BlockStored"):
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[list[Any] | None] | None = None  # per block: LoRA name, mm pairs, cache salt, embeds digests
 
 
 class _Removed(Struct, tag="BlockRemoved"):
@@ -53,6 +55,20 @@ def _as_int(block_hash: int | bytes) -> int:
     return block_hash & _MASK64 if isinstance(block_hash, int) else int.from_bytes(block_hash, "big") & _MASK64
 
 
+def cache_salt_of(event: _Stored) -> str | None:
+    """The tenant salt of a chain's first block, read from vLLM's per-block extra keys.
+
+    vLLM salts only the first block of a prompt; its extra keys list, untagged and in order, the
+    LoRA name (when set), (mm id, offset) pairs, the cache salt, prompt-embeds digests (bytes).
+    """
+    if event.parent_block_hash is not None or not event.extra_keys or not event.extra_keys[0]:
+        return None
+    strings = [key for key in event.extra_keys[0] if isinstance(key, str)]
+    if event.lora_name is not None and strings and strings[0] == event.lora_name:
+        strings = strings[1:]
+    return strings[0] if strings else None
+
+
 def convert_batch(payload: bytes) -> list[KvEvent]:
     """One vLLM KVEventBatch payload -> infermesh KvEvents, in order."""
     events: list[KvEvent] = []
@@ -60,7 +76,7 @@ def convert_batch(payload: bytes) -> list[KvEvent]:
         if isinstance(event, _Stored):
             parent = None if event.parent_block_hash is None else _as_int(event.parent_block_hash)
             events.append(BlockStored([_as_int(h) for h in event.block_hashes], parent, event.token_ids,
-                                      event.block_size, event.lora_id, event.medium))
+                                      event.block_size, event.lora_id, event.medium, cache_salt_of(event)))
         elif isinstance(event, _Removed):
             events.append(BlockRemoved([_as_int(h) for h in event.block_hashes], event.medium))
         else:

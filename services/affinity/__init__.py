@@ -1,0 +1,1 @@
+"""Session affinity: session -> decode worker bindings shared by every edge and router replica."""

@@ -1,0 +1,249 @@
+"""The router's KV index, pure: which worker holds which prefix block, per tier (device, host).
+
+Fed by the workers' KV events; asked ``find_matches(prompt hashes)`` -> cached prefix per worker.
+Blocks are named by the router's own chained hash (``shared.prefix_hash``), recomputed from
+the token ids in each BlockStored, so engine hash choices never leak in::
+
+    worker w3, engine block size 32, router block size 16
+    BlockStored(hashes=[e7], parent=e2, tokens=t[0:32], medium="GPU")
+      e2 -> (r3, r4) known from an earlier event   =>  r5 = H(r4, t[0:16]), r6 = H(r5, t[16:32])
+      e7 -> (r5, r6) kept for BlockRemoved and for e7's children
+      holders[device][r5] |= 1 << slot(w3)          one int bitmask per block: AND walks a prompt
+
+A chain's first block (no parent) starts from ``salt_root(model, lora, cache_salt)``: the
+worker's model, the event's LoRA id and the tenant salt the worker attached. A block whose
+parent the index never saw (lost events) cannot be named and is skipped (counted): recovery
+(replay or snapshot) is the cure, never a guess.
+
+``find_matches`` walks the prompt's hashes once, ANDing bitmasks: a worker's device overlap
+is its longest prefix held on the device; its host overlap is how much further the prefix
+goes with host-tier blocks. Cost O(prompt blocks + matched workers), independent of index size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from shared.prefix_hash import DEFAULT_BLOCK_SIZE, chain, salt_root
+from shared.schema import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+
+DEVICE, HOST = 0, 1
+HOST_MEDIA = frozenset({"CPU", "cpu", "HOST", "host", "DISK", "disk"})
+
+
+def tier_of(medium: str | None) -> int:
+    return HOST if medium in HOST_MEDIA else DEVICE
+
+
+@dataclass(frozen=True, slots=True)
+class Overlap:
+    """A worker's cached prefix of one prompt, in router blocks."""
+
+    device: int = 0
+    host: int = 0
+
+    @property
+    def blocks(self) -> int:
+        return self.device + self.host
+
+
+@dataclass(slots=True)
+class _Worker:
+    slot: int
+    model: str
+    # per tier: engine hash -> the router hashes of its sub-blocks
+    blocks: tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]] = field(default_factory=lambda: ({}, {}))
+    # per tier: router hash -> how many of this worker's engine blocks name it
+    counts: tuple[dict[int, int], dict[int, int]] = field(default_factory=lambda: ({}, {}))
+
+
+class PrefixIndex:
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        assert block_size > 0
+        self.block_size = block_size
+        self._workers: dict[str, _Worker] = {}
+        self._slot_owner: list[str | None] = []
+        self._holders: tuple[dict[int, int], dict[int, int]] = ({}, {})  # per tier: router hash -> slot bitmask
+        self.num_skipped_blocks = 0  # parent unknown or block size not a multiple of ours
+
+    # ------------------------------------------------------------ workers
+    def add_worker(self, worker_id: str, model: str) -> None:
+        if worker_id in self._workers:
+            self._workers[worker_id].model = model
+            return
+        try:
+            slot = self._slot_owner.index(None)
+            self._slot_owner[slot] = worker_id
+        except ValueError:
+            slot = len(self._slot_owner)
+            self._slot_owner.append(worker_id)
+        self._workers[worker_id] = _Worker(slot, model)
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Forget a worker and every block it held."""
+        worker = self._workers.pop(worker_id, None)
+        if worker is None:
+            return
+        self._clear(worker)
+        self._slot_owner[worker.slot] = None
+
+    def workers(self) -> list[str]:
+        return list(self._workers)
+
+    def num_blocks(self, worker_id: str | None = None, tier: int | None = None) -> int:
+        """Engine blocks indexed (of one worker, one tier, or all)."""
+        workers = [self._workers[worker_id]] if worker_id is not None else self._workers.values()
+        tiers = (DEVICE, HOST) if tier is None else (tier,)
+        return sum(len(w.blocks[t]) for w in workers for t in tiers)
+
+    # ------------------------------------------------------------ events
+    def apply(self, worker_id: str, events: Iterable[KvEvent]) -> None:
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            raise KeyError(f"unknown worker {worker_id!r}: add_worker first")
+        for event in events:
+            if isinstance(event, BlockStored):
+                self._store(worker, event)
+            elif isinstance(event, BlockRemoved):
+                self._remove(worker, tier_of(event.medium), event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                self._clear(worker)
+
+    def load_blocks(self, worker_id: str, blocks: list[BlockStored]) -> None:
+        """Apply a snapshot's blocks in any order: each pass stores those whose parent is named already.
+
+        A block whose parent is in the snapshot waits for it; one whose parent is not (or never gets
+        named) is skipped and counted, as in ``apply``.
+        """
+        worker = self._workers[worker_id]
+        in_snapshot = {h for b in blocks for h in b.block_hashes}
+
+        def waits(block: BlockStored) -> bool:
+            parent = block.parent_block_hash
+            return parent is not None and parent in in_snapshot and not self._knows(worker, parent)
+
+        pending = blocks
+        while pending:
+            later = [b for b in pending if waits(b)]
+            if len(later) == len(pending):
+                break  # a cycle or parents that cannot be named: skip them
+            for block in pending:
+                if not waits(block):
+                    self._store(worker, block)
+            pending = later
+        self.num_skipped_blocks += sum(len(b.block_hashes) for b in pending)
+
+    @staticmethod
+    def _knows(worker: _Worker, engine_hash: int) -> bool:
+        return engine_hash in worker.blocks[DEVICE] or engine_hash in worker.blocks[HOST]
+
+    def clear_worker(self, worker_id: str) -> None:
+        """Drop a worker's blocks but keep the worker (before loading a snapshot)."""
+        worker = self._workers.get(worker_id)
+        if worker is not None:
+            self._clear(worker)
+
+    def _store(self, worker: _Worker, event: BlockStored) -> None:
+        size, ours = event.block_size, self.block_size
+        if size % ours or len(event.token_ids) < size * len(event.block_hashes):
+            self.num_skipped_blocks += len(event.block_hashes)
+            return
+        if event.parent_block_hash is None:
+            parent = salt_root(worker.model, event.lora_id, event.cache_salt)
+        else:
+            known = worker.blocks[DEVICE].get(event.parent_block_hash) or worker.blocks[HOST].get(
+                event.parent_block_hash)
+            if known is None:
+                self.num_skipped_blocks += len(event.block_hashes)
+                return
+            parent = known[-1]
+        routed = chain(parent, event.token_ids[:size * len(event.block_hashes)], ours)
+        per_block = size // ours
+        tier = tier_of(event.medium)
+        blocks, counts, holders = worker.blocks[tier], worker.counts[tier], self._holders[tier]
+        bit = 1 << worker.slot
+        for i, engine_hash in enumerate(event.block_hashes):
+            if engine_hash in blocks:
+                continue  # already held (a replay overlapping a snapshot): idempotent
+            sub = tuple(routed[i * per_block:(i + 1) * per_block])
+            blocks[engine_hash] = sub
+            for router_hash in sub:
+                n = counts.get(router_hash, 0)
+                counts[router_hash] = n + 1
+                if n == 0:
+                    holders[router_hash] = holders.get(router_hash, 0) | bit
+
+    def _remove(self, worker: _Worker, tier: int, engine_hashes: Sequence[int]) -> None:
+        blocks, counts, holders = worker.blocks[tier], worker.counts[tier], self._holders[tier]
+        for engine_hash in engine_hashes:
+            sub = blocks.pop(engine_hash, None)
+            if sub is not None:
+                self._release(worker.slot, sub, counts, holders)
+
+    @staticmethod
+    def _release(slot: int, router_hashes: Iterable[int], counts: dict[int, int], holders: dict[int, int]) -> None:
+        keep = ~(1 << slot)
+        for router_hash in router_hashes:
+            n = counts[router_hash] - 1
+            if n:
+                counts[router_hash] = n
+                continue
+            del counts[router_hash]
+            mask = holders[router_hash] & keep
+            if mask:
+                holders[router_hash] = mask
+            else:
+                del holders[router_hash]
+
+    def _clear(self, worker: _Worker) -> None:
+        for tier in (DEVICE, HOST):
+            counts, holders = worker.counts[tier], self._holders[tier]
+            keep = ~(1 << worker.slot)
+            for router_hash in counts:
+                mask = holders[router_hash] & keep
+                if mask:
+                    holders[router_hash] = mask
+                else:
+                    del holders[router_hash]
+            counts.clear()
+            worker.blocks[tier].clear()
+
+    # ------------------------------------------------------------ queries
+    def find_matches(self, hashes: Sequence[int]) -> dict[str, Overlap]:
+        """Each worker's cached prefix of a prompt given as router hashes (workers with none are left out)."""
+        device_get, host_get = self._holders[DEVICE].get, self._holders[HOST].get
+        device_depth: dict[int, int] = {}
+        any_depth: dict[int, int] = {}
+        device_active = any_active = 0
+        depth = 0
+        for depth, router_hash in enumerate(hashes):
+            on_device = device_get(router_hash, 0)
+            held = on_device | host_get(router_hash, 0)
+            if depth == 0:
+                device_active, any_active = on_device, held
+            else:
+                still = device_active & on_device
+                if still != device_active:
+                    _record(device_active & ~still, depth, device_depth)
+                    device_active = still
+                still = any_active & held
+                if still != any_active:
+                    _record(any_active & ~still, depth, any_depth)
+                    any_active = still
+            if not any_active:
+                break
+        else:
+            depth = len(hashes)
+        _record(device_active, depth, device_depth)
+        _record(any_active, depth, any_depth)
+        owners = self._slot_owner
+        return {owners[slot]: Overlap(device_depth.get(slot, 0), total - device_depth.get(slot, 0))  # type: ignore[misc]
+                for slot, total in any_depth.items() if total}
+
+
+def _record(mask: int, depth: int, into: dict[int, int]) -> None:
+    while mask:
+        low = mask & -mask
+        into[low.bit_length() - 1] = depth
+        mask ^= low

@@ -1,0 +1,139 @@
+"""shared/prefix_hash.py: the router's chained, salted block hashes (what the edge hashes and the router indexes)."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import pytest
+
+from shared.prefix_hash import DEFAULT_BLOCK_SIZE, chain, prompt_hashes, salt_root
+
+BS = 16
+
+
+def toks(n: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n))
+
+
+def reference(token_ids: list[int], model: str, lora=None, salt: str | None = None, block_size: int = BS) -> list[int]:
+    """The docstring's formula written out by hand: blake2b-64 over little-endian int32 tokens, chained."""
+    key = "\x1f".join((model, "" if lora is None else str(lora), salt or ""))
+    parent = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+    out = []
+    for i in range(len(token_ids) // block_size):
+        block = struct.pack(f"<{block_size}i", *token_ids[i * block_size:(i + 1) * block_size])
+        parent = int.from_bytes(hashlib.blake2b(parent.to_bytes(8, "little") + block, digest_size=8).digest(), "little")
+        out.append(parent)
+    return out
+
+
+def test_default_block_size_is_16():
+    assert DEFAULT_BLOCK_SIZE == 16
+    assert prompt_hashes(toks(40), "m") == prompt_hashes(toks(40), "m", None, None, 16)
+
+
+def test_deterministic_across_calls_and_sequence_types():
+    first = prompt_hashes(toks(64), "m", None, "s", BS)
+    assert prompt_hashes(toks(64), "m", None, "s", BS) == first
+    assert prompt_hashes(tuple(toks(64)), "m", None, "s", BS) == first  # list or tuple alike
+    assert len(first) == 4 and len(set(first)) == 4
+    assert all(0 <= h < 2**64 for h in first)
+
+
+def test_pinned_values():
+    # pinned: a change of hash function or encoding breaks every edge/router pair that mirrors it
+    assert salt_root("m") == 0x41C6CB01F379FF54
+    assert salt_root("m", None, "tenant") == 0xB50C367DE9F79E21
+    assert prompt_hashes(toks(40), "m", None, None, 16) == [0x1BF5834E2E99758D, 0xB140C673FC51C0ED]
+    assert prompt_hashes(toks(8), "m", 2, "s", 4) == [0x017FD4D5F34958EE, 0x73596C5847BFE743]
+
+
+@pytest.mark.parametrize("ids, model, lora, salt, block_size", [
+    (toks(40), "m", None, None, 16),
+    (toks(8), "m", 2, "s", 4),
+    ([0, 2**31 - 1, 7, 123456] * 8, "model/x", "adapter", "tenant-a", 8),
+    (toks(100, 50_000), "m", None, "t", 32),
+])
+def test_matches_the_documented_formula_with_little_endian_int32(ids, model, lora, salt, block_size):
+    assert prompt_hashes(ids, model, lora, salt, block_size) == reference(ids, model, lora, salt, block_size)
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
+def test_chain_property_shared_full_blocks_share_exactly_those_hashes(k):
+    a = toks(4 * BS)
+    b = a[:k * BS] + toks(4 * BS - k * BS, 10_000)  # diverges from block k on
+    ha, hb = prompt_hashes(a, "m"), prompt_hashes(b, "m")
+    assert len(ha) == len(hb) == 4
+    assert ha[:k] == hb[:k]
+    assert all(x != y for x, y in zip(ha[k:], hb[k:]))  # a difference reaches every later block
+
+
+def test_a_change_inside_a_block_changes_it_and_every_later_block():
+    a = toks(3 * BS)
+    b = list(a)
+    b[BS + 5] += 1  # inside block 1
+    ha, hb = prompt_hashes(a, "m"), prompt_hashes(b, "m")
+    assert ha[0] == hb[0] and ha[1] != hb[1] and ha[2] != hb[2]
+
+
+@pytest.mark.parametrize("n, expected_blocks", [(0, 0), (1, 0), (BS - 1, 0), (BS, 1), (BS + 1, 1), (3 * BS - 1, 2),
+                                                (3 * BS, 3)])
+def test_partial_tail_block_has_no_hash(n, expected_blocks):
+    hashes = prompt_hashes(toks(n), "m")
+    assert len(hashes) == expected_blocks
+    assert hashes == prompt_hashes(toks(expected_blocks * BS), "m")  # the tail changes nothing
+
+
+@pytest.mark.parametrize("other", [
+    dict(model="m2"),
+    dict(lora="a"),
+    dict(lora=1),
+    dict(salt="tenant-b"),
+    dict(salt=None),
+])
+def test_a_different_model_lora_or_salt_gives_disjoint_hashes_from_block_0(other):
+    base = dict(model="m", lora=None, salt="tenant-a")
+    changed = {**base, **other}
+    ids = toks(5 * BS)
+    ha = prompt_hashes(ids, base["model"], base["lora"], base["salt"], BS)
+    hb = prompt_hashes(ids, changed["model"], changed["lora"], changed["salt"], BS)
+    assert len(ha) == len(hb) == 5
+    assert set(ha).isdisjoint(hb)
+
+
+def test_same_salt_same_hashes():
+    ids = toks(5 * BS)
+    assert prompt_hashes(ids, "m", "a", "tenant", BS) == prompt_hashes(list(ids), "m", "a", "tenant", BS)
+
+
+@pytest.mark.parametrize("a, b", [
+    ((None, None), (None, "")),  # an empty salt is no salt
+    ((None, None), ("", None)),  # no LoRA is an empty LoRA name
+    ((3, None), ("3", None)),  # vLLM's int lora_id and its string form name the same adapter
+])
+def test_salt_root_equivalences(a, b):
+    assert salt_root("m", *a) == salt_root("m", *b)
+
+
+def test_block_size_changes_hashes():
+    ids = toks(64)
+    h16, h32 = prompt_hashes(ids, "m", block_size=16), prompt_hashes(ids, "m", block_size=32)
+    assert len(h16) == 4 and len(h32) == 2
+    assert set(h16).isdisjoint(h32)
+
+
+@pytest.mark.parametrize("split_blocks", [0, 1, 2, 4])
+def test_chain_continues_a_chain(split_blocks):
+    ids = toks(4 * BS + 5)  # 4 full blocks and a tail
+    whole = prompt_hashes(ids, "m", None, "s", BS)
+    head = chain(salt_root("m", None, "s"), ids[:split_blocks * BS], BS)
+    parent = head[-1] if head else salt_root("m", None, "s")
+    tail = chain(parent, ids[split_blocks * BS:], BS)
+    assert head + tail == whole
+    assert len(head) == split_blocks
+
+
+def test_chain_of_nothing_is_empty_and_parent_matters():
+    assert chain(123, [], BS) == []
+    assert chain(1, toks(BS), BS) != chain(2, toks(BS), BS)
