@@ -175,6 +175,8 @@ class RouterService:
                 if batch.seq == self.kv_sync.last_seq(worker_id) + 1:
                     self.index.apply(worker_id, batch.events)
                     self.kv_sync.applied(worker_id, batch.seq)
+            if self.kv_sync.last_seq(worker_id) == after:  # no progress: the worker's numbering moved on
+                return None
 
     # ------------------------------------------------------------ load
     async def _on_load(self, snapshot: LoadSnapshot, _raw: Msg) -> None:
