@@ -23,9 +23,17 @@ class LocalMesh:
     namespace: str
     dev_key: str = "test-key"
     buses: list[Bus] = field(default_factory=list)
-    router: RouterService | None = None
+    routers: list[RouterService] = field(default_factory=list)  # replicas: one queue group
     workers: list[WorkerService] = field(default_factory=list)
-    edge: EdgeService | None = None
+    edges: list[EdgeService] = field(default_factory=list)
+
+    @property
+    def router(self) -> RouterService | None:
+        return self.routers[0] if self.routers else None
+
+    @property
+    def edge(self) -> EdgeService | None:
+        return self.edges[0] if self.edges else None
 
     async def _bus(self, name: str) -> Bus:
         bus = await Bus.connect(self.nats_url, self.namespace, name)
@@ -34,9 +42,10 @@ class LocalMesh:
 
     async def start_router(self, **options: object) -> RouterService:
         config = RouterConfig(nats_url=self.nats_url, namespace=self.namespace, **options)  # type: ignore[arg-type]
-        self.router = RouterService(await self._bus("router"), config)
-        await self.router.start()
-        return self.router
+        router = RouterService(await self._bus(f"router-{len(self.routers)}"), config)
+        await router.start()
+        self.routers.append(router)
+        return router
 
     async def start_worker(self, **options: object) -> WorkerService:
         config = WorkerConfig(nats_url=self.nats_url, namespace=self.namespace, **options)  # type: ignore[arg-type]
@@ -48,21 +57,24 @@ class LocalMesh:
     async def start_edge(self, **options: object) -> EdgeService:
         config = EdgeConfig(nats_url=self.nats_url, namespace=self.namespace, dev_key=self.dev_key,
                             http_port=0, **options)  # type: ignore[arg-type]
-        self.edge = EdgeService(config, await self._bus("edge"))
-        await self.edge.start()
-        return self.edge
+        edge = EdgeService(config, await self._bus(f"edge-{len(self.edges)}"))
+        await edge.start()
+        self.edges.append(edge)
+        return edge
 
     @property
     def base_url(self) -> str:
-        assert self.edge is not None
-        return f"http://127.0.0.1:{self.edge.port}/v1"
+        return self.url_of(0)
+
+    def url_of(self, edge_index: int) -> str:
+        return f"http://127.0.0.1:{self.edges[edge_index].port}/v1"
 
     async def stop(self) -> None:
-        if self.edge:
-            await self.edge.stop()
+        for edge in self.edges:
+            await edge.stop()
         for worker in self.workers:
             await worker.stop()
-        if self.router:
-            await self.router.stop()
+        for router in self.routers:
+            await router.stop()
         for bus in self.buses:
             await bus.close()

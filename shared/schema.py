@@ -78,8 +78,9 @@ class RouteDecisionEvent(Struct, frozen=True):
     router_id: str
     request_id: str
     worker_id: str
-    prefill_tokens: int
-    blocks: int
+    prefill_tokens: int  # prompt tokens the worker computes (0 when a prefill worker does)
+    tokens: int  # the prompt's tokens: KV the worker will hold
+    ts: float  # when it was decided: a load snapshot taken later already counts it
     prefill_worker_id: str = ""
 
 

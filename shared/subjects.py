@@ -13,6 +13,7 @@ tests - can share one NATS server without hearing each other.
     <ns>.worker.<id>.kv_snapshot      request/reply  KvSnapshotRequest -> KvSnapshot
     <ns>.stream.<edge_id>.<req_id>    publish        StreamMessage (TokenChunk | StreamEnd | StreamError)
     <ns>.router.decisions             publish        RouteDecisionEvent (replicas share pending load)
+    <ns>.router.<id>.explain          request/reply  RouteRequest -> RouteReply, one replica, no side effects
     KV bucket <ns>_workers            key <id>       WorkerInfo, per-key TTL (lapses if heartbeats stop)
     KV bucket <ns>_sessions           key s-<hash>   SessionBinding, per-key idle TTL, CAS writes
 """
@@ -43,6 +44,10 @@ class Subjects:
     @property
     def route(self) -> str:
         return f"{self.namespace}.router.route"
+
+    def router_explain(self, router_id: str) -> str:
+        """One replica's answer to a RouteRequest, without side effects (no binding, no load counted)."""
+        return f"{self.namespace}.router.{_check_token(router_id, 'router id')}.explain"
 
     @property
     def route_decisions(self) -> str:

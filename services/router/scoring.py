@@ -34,16 +34,37 @@ SERVING_ROLES = ("both", "decode")
 # ------------------------------------------------------------ load view
 @dataclass(slots=True)
 class Pending:
-    """Work routed to a worker since its last load snapshot (by any router replica)."""
+    """Work routed to a worker after its last load snapshot was taken (by any router replica)."""
 
     requests: int = 0
     prefill_tokens: int = 0  # prompt tokens still to compute
     tokens: int = 0  # KV the requests will hold (their prompts)
+    entries: list[tuple[float, int, int]] = field(default_factory=list)  # (decided at, prefill tokens, tokens)
+
+    def add(self, ts: float, prefill_tokens: int, tokens: int) -> None:
+        self.requests += 1
+        self.prefill_tokens += prefill_tokens
+        self.tokens += tokens
+        self.entries.append((ts, prefill_tokens, tokens))
+
+    def drop_until(self, ts: float) -> None:
+        """Forget the work decided at or before ``ts``: a snapshot taken then already counts it."""
+        kept = [e for e in self.entries if e[0] > ts]
+        if len(kept) != len(self.entries):
+            self.entries = kept
+            self.requests = len(kept)
+            self.prefill_tokens = sum(e[1] for e in kept)
+            self.tokens = sum(e[2] for e in kept)
 
 
 @dataclass(slots=True)
 class LoadView:
-    """The router's view of each worker's load: its last snapshot plus what was routed since."""
+    """The router's view of each worker's load: its last snapshot plus what was routed after it was taken.
+
+    Routed work is dropped by timestamp, not by arrival order: a replica that hears of a decision
+    after the worker's next snapshot, and one that hears of it before, end with the same view.
+    Work given without a timestamp is dropped by the next snapshot.
+    """
 
     snapshots: dict[str, LoadSnapshot] = field(default_factory=dict)
     pending: dict[str, Pending] = field(default_factory=dict)
@@ -53,13 +74,14 @@ class LoadView:
         if current is not None and snapshot.seq <= current.seq and snapshot.ts <= current.ts:
             return  # stale or duplicate
         self.snapshots[snapshot.source_id] = snapshot
-        self.pending.pop(snapshot.source_id, None)
+        pending = self.pending.get(snapshot.source_id)
+        if pending is not None:
+            pending.drop_until(snapshot.ts)
+            if not pending.requests:
+                del self.pending[snapshot.source_id]
 
-    def routed(self, worker_id: str, prefill_tokens: int = 0, tokens: int = 0) -> None:
-        p = self.pending.setdefault(worker_id, Pending())
-        p.requests += 1
-        p.prefill_tokens += prefill_tokens
-        p.tokens += tokens
+    def routed(self, worker_id: str, prefill_tokens: int = 0, tokens: int = 0, ts: float = float("-inf")) -> None:
+        self.pending.setdefault(worker_id, Pending()).add(ts, prefill_tokens, tokens)
 
     def forget(self, worker_id: str) -> None:
         self.snapshots.pop(worker_id, None)

@@ -68,6 +68,7 @@ class RouterService:
             await self.bus.subscribe(s.load_all, LoadSnapshot, self._on_load),
             await self.bus.subscribe(s.route_decisions, RouteDecisionEvent, self._on_decision),
             await self.bus.subscribe(s.route, RouteRequest, self._on_route, queue=QUEUE_GROUP),
+            await self.bus.subscribe(s.router_explain(self.router_id), RouteRequest, self._on_explain),
         ]
         await self.bus.nc.flush()
         for info in list(self.directory.workers.values()):
@@ -185,12 +186,13 @@ class RouterService:
 
     async def _on_decision(self, event: RouteDecisionEvent, _raw: Msg) -> None:
         if event.router_id != self.router_id:  # our own decisions were counted when made
-            self._count_routed(event.worker_id, event.prefill_worker_id, event.prefill_tokens, event.blocks)
+            self._count_routed(event.worker_id, event.prefill_worker_id, event.prefill_tokens, event.tokens, event.ts)
 
-    def _count_routed(self, worker_id: str, prefill_worker_id: str, prefill_tokens: int, tokens: int) -> None:
-        self.loads.routed(worker_id, prefill_tokens, tokens)
+    def _count_routed(self, worker_id: str, prefill_worker_id: str, prefill_tokens: int, tokens: int,
+                      ts: float) -> None:
+        self.loads.routed(worker_id, prefill_tokens, tokens, ts)
         if prefill_worker_id:
-            self.loads.routed(prefill_worker_id, tokens, 0)
+            self.loads.routed(prefill_worker_id, tokens, 0, ts)
 
     # ------------------------------------------------------------ decisions
     async def _on_route(self, request: RouteRequest, raw: Msg) -> None:
@@ -208,6 +210,14 @@ class RouterService:
                 span.set_attribute("infermesh.route_rejected", reply.code)
             await self.bus.respond(raw, reply)
 
+    async def _on_explain(self, request: RouteRequest, raw: Msg) -> None:
+        """What this replica would answer now, with no side effect: for debugging and replica checks."""
+        bound = None
+        if request.session_id and self.sessions is not None:
+            binding, _ = await self.sessions.get(request.session_id)
+            bound = binding.worker_id if binding else None
+        await self.bus.respond(raw, self.policy.route(request, self.view(), bound).reply)
+
     def view(self) -> RouteView:
         return RouteView(self.directory.live(), self.loads, time.time(), self.open_breakers)
 
@@ -219,10 +229,10 @@ class RouterService:
             plan = self.policy.route(request, self.view())
         if isinstance(plan.reply, RouteDecision):
             self.stats["decisions"] += 1
-            d = plan.reply
-            self._count_routed(d.worker_id, d.prefill_worker_id, plan.prefill_tokens, plan.prompt_tokens)
+            d, ts = plan.reply, time.time()
+            self._count_routed(d.worker_id, d.prefill_worker_id, plan.prefill_tokens, plan.prompt_tokens, ts)
             await self.bus.publish(self.bus.subjects.route_decisions, RouteDecisionEvent(
-                self.router_id, request.request_id, d.worker_id, plan.prefill_tokens, plan.prompt_tokens,
+                self.router_id, request.request_id, d.worker_id, plan.prefill_tokens, plan.prompt_tokens, ts,
                 d.prefill_worker_id))
         return plan
 

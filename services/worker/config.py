@@ -19,6 +19,7 @@ class WorkerConfig(BusConfig):
     heartbeat_s: float = 1.0
     heartbeat_ttl_s: float = 3.0
     load_publish_s: float = 0.5
+    load_min_interval_s: float = 0.005  # load changes closer than this are published together
     # engine options
     block_size: int = 0  # 0: the engine default (sim 16, vLLM CPU 128)
     num_kv_blocks: int = 0  # sim: 0 = the profile's budget (fixed timings: 8192)

@@ -162,7 +162,10 @@ class WorkerService:
         )
 
     async def _publish_load_loop(self) -> None:
-        """Publish load on change (at most every 20 ms) and at least every ``load_publish_s``."""
+        """Publish load on change (coalesced over ``load_min_interval_s``) and at least every ``load_publish_s``.
+
+        Routers weigh queued prefill and active KV: a finished request that still looks busy to them
+        for long steers the next turn of its session away from its cache."""
         subject = self.bus.subjects.load(self.worker_id)
         while True:
             try:
@@ -171,7 +174,7 @@ class WorkerService:
                 pass
             self._load_changed.clear()
             await self.bus.nc.publish(subject, schema.encode(self.load_snapshot()))
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(self.config.load_min_interval_s)
 
     async def _publish_kv_events_loop(self) -> None:
         subject = self.bus.subjects.kv_events(self.worker_id)
