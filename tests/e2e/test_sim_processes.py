@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -36,10 +37,11 @@ async def test_up_with_two_sim_workers_serves_on_both_and_stops_cleanly(nats_url
                     "--state-dir", str(tmp_path)])
     up.start(timeout_s=60)
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=up.key, max_retries=0)
-        for _ in range(6):
-            reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5)
-            assert reply.usage.completion_tokens == 5
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=up.key, max_retries=0)
+        # at once: the router counts what it sent each worker, so the burst spreads over both
+        replies = await asyncio.gather(*(client.chat.completions.create(model="tiny", messages=MESSAGES,
+                                                                         max_tokens=5) for _ in range(6)))
+        assert all(reply.usage.completion_tokens == 5 for reply in replies)
         bus = await Bus.connect(nats_url, namespace, "probe")
         served = [await _finished(bus, f"sim-{i}") for i in range(2)]
         await bus.close()
@@ -85,4 +87,46 @@ async def test_killed_worker_lapses_within_ttl_and_traffic_moves(nats_url, names
         for proc in procs.values():
             proc.terminate()
             proc.wait(10)
+        await mesh.stop()
+
+
+async def test_killing_a_sessions_decoder_repins_the_next_turn_with_no_client_error(nats_url, namespace, tiny_model):
+    mesh = LocalMesh(nats_url, namespace)
+    router = await mesh.start_router()
+    await mesh.start_edge()
+    env = {**os.environ, "INFERMESH_NATS_URL": nats_url, "INFERMESH_NAMESPACE": namespace}
+    procs = {
+        wid: subprocess.Popen([sys.executable, "-m", "services.worker", "--worker-id", wid, "--engine", "sim",
+                               "--model", "tiny", "--model-path", str(tiny_model), "--heartbeat-s", "0.5",
+                               "--heartbeat-ttl-s", "5", "--sim-itl-ms", "2"], env=env)
+        for wid in ("sim-a", "sim-b", "sim-c")
+    }
+    try:
+        await eventually(lambda: len(mesh.edge.mesh.directory.live()) == 3 and mesh.edge.mesh.is_ready()
+                         and len(router.index.workers()) == 3, 30)
+        client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key=mesh.dev_key, max_retries=0,
+                                    default_headers={"X-Session-Id": "agent-7"})
+        history = [{"role": "system", "content": "You are a careful agent. " * 20}]
+        bound = []
+        for turn in range(4):
+            history.append({"role": "user", "content": f"step {turn}: read the tool output and go on"})
+            reply = await client.chat.completions.create(model="tiny", messages=history, max_tokens=6)
+            assert reply.choices[0].finish_reason == "length"  # a normal answer every turn
+            history.append({"role": "assistant", "content": reply.choices[0].message.content})
+            binding, _ = await router.sessions.get("agent-7")
+            bound.append(binding)
+            if turn == 1:
+                procs[binding.worker_id].send_signal(signal.SIGKILL)  # mid-session, its registry entry still live
+                procs[binding.worker_id].wait(5)
+        assert bound[0].worker_id == bound[1].worker_id and bound[1].repins == 0
+        # turn 2 found its worker dead (no responder), was retried elsewhere and re-pinned there, in that request
+        assert bound[2].worker_id != bound[1].worker_id and bound[2].repins == 1
+        assert bound[2].reason == "excluded"
+        assert bound[3].worker_id == bound[2].worker_id and bound[3].repins == 1  # and it stays there
+        assert router.stats["repins"] == 1 and router.stats["repins:excluded"] == 1
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(10)
         await mesh.stop()
