@@ -54,6 +54,7 @@ class LoadSnapshot(Struct, frozen=True):
     num_aborted_total: int = 0
     num_finished_total: int = 0
     num_prefill_tokens: int = 0  # prompt tokens admitted but not yet computed
+    kv_seq: int = 0  # the worker's last KV event batch: an indexer behind it lost the tail of the stream
 
     @property
     def kv_usage(self) -> float:

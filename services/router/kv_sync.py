@@ -8,6 +8,7 @@ them in order and says when the router must catch up from the worker::
     synced      <= last              drop it (duplicate or late)
     synced      > last + 1           gap: hold it, ask the worker to replay after ``last``
     synced      1 while last > 1     the worker restarted: resync from a snapshot
+    synced      load says kv_seq > last  the tail was lost (no later batch shows the gap): replay
     catching up any                  hold it until the replay or snapshot is in
     new worker  any                  hold it, bootstrap from a snapshot
 
@@ -86,6 +87,18 @@ class KvSyncTracker:
         self.num_gaps += 1
         stream.catching_up = True
         stream.held[batch.seq] = batch
+        return Action.REPLAY
+
+    def on_position(self, worker_id: str, seq: int) -> Action:
+        """The worker says its last batch is ``seq`` (in its load snapshots): a tail we never got is a gap.
+
+        A batch still on its way is harmless to replay: it comes back as a duplicate and is dropped.
+        """
+        stream = self._streams.get(worker_id)
+        if stream is None or stream.catching_up or seq <= stream.last_seq:
+            return Action.DROP
+        self.num_gaps += 1
+        stream.catching_up = True
         return Action.REPLAY
 
     def applied(self, worker_id: str, seq: int) -> None:

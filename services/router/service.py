@@ -183,6 +183,9 @@ class RouterService:
     async def _on_load(self, snapshot: LoadSnapshot, _raw: Msg) -> None:
         if snapshot.source_id in self.directory.workers:
             self.loads.observe(snapshot)
+            if self.kv_sync.on_position(snapshot.source_id, snapshot.kv_seq) is Action.REPLAY:
+                self.stats["kv_gaps"] += 1
+                self._sync(snapshot.source_id, snapshot=False)
 
     async def _on_decision(self, event: RouteDecisionEvent, _raw: Msg) -> None:
         if event.router_id != self.router_id:  # our own decisions were counted when made

@@ -159,6 +159,7 @@ class WorkerService:
             num_waiting=load.num_waiting, num_active_blocks=load.num_active_blocks,
             num_kv_blocks=load.num_kv_blocks, num_aborted_total=self._num_aborted,
             num_finished_total=self._num_finished, num_prefill_tokens=load.num_prefill_tokens,
+            kv_seq=self.kv_log.seq,
         )
 
     async def _publish_load_loop(self) -> None:

@@ -138,3 +138,14 @@ async def test_vanished_and_restarted_workers_leave_nothing_behind(fleet):
     await run(a2, "r3", fresh)
     await eventually(lambda: matches(router, a2, fresh) == {"a": Overlap(5, 0)}, 5)
     assert matches(router, a2, old) == {}
+
+
+async def test_a_lost_last_batch_is_found_from_the_workers_load_and_replayed(fleet):
+    a = await fleet.worker("a")
+    router = await fleet.router(drop_batches={("a", 1)})  # the only batch: no later one will show the gap
+    await eventually(lambda: router.stats["kv_snapshots"] == 1, 5)
+    tokens = prompt(4, 100)
+    await run(a, "r1", tokens)
+    # the worker's next load snapshot (at most load_publish_s later) says kv_seq 1
+    await eventually(lambda: matches(router, a, tokens) == {"a": Overlap(4, 0)}, 5)
+    assert router.stats["kv_gaps"] == 1 and router.stats["kv_replays"] == 1

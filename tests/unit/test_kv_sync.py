@@ -209,3 +209,18 @@ def test_a_snapshot_sets_the_position_even_backwards():
     ready, whole = tracker.caught_up("w", 2, snapshot=True)
     assert [b.seq for b in ready] == [3] and whole and tracker.last_seq("w") == 3
     assert not tracker.needs_snapshot("w") and tracker.on_batch(batch(4, "w")) is Action.APPLY
+
+
+def test_a_lost_tail_is_found_from_the_workers_position():
+    # the last batch was lost and no later one shows the gap: the load snapshot's kv_seq does
+    tracker = KvSyncTracker()
+    tracker.start("w")
+    tracker.caught_up("w", 0, snapshot=True)
+    assert tracker.on_batch(batch(1, "w")) is Action.APPLY
+    assert tracker.on_position("w", 1) is Action.DROP  # up to date
+    assert tracker.on_position("w", 3) is Action.REPLAY and tracker.num_gaps == 1
+    assert tracker.on_position("w", 3) is Action.DROP  # already catching up
+    assert tracker.on_batch(batch(2, "w")) is Action.HOLD
+    ready, whole = tracker.caught_up("w", 3)
+    assert ready == [] and whole and tracker.on_batch(batch(2, "w")) is Action.DROP
+    assert tracker.on_position("unknown", 5) is Action.DROP
