@@ -1,8 +1,10 @@
-"""``infermesh up --engine vllm`` on a tiny model made at test time, driven by the official openai SDK."""
+"""``infermesh up --engine vllm --workers 2`` on a tiny model made at test time (each engine pinned to its own
+core), driven by the official openai SDK: serving, usage, KV events, and KV-aware routing between the two."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import httpx
@@ -11,7 +13,10 @@ import pytest
 
 from infermesh.processes import free_port
 from services.edge.tokenizer import ModelTokenizer
+from services.router.config import RouterConfig
+from services.router.service import RouterService
 from shared.bus import Bus
+from shared.prefix_hash import prompt_hashes
 from shared.schema import BlockStored, KvEventBatch, LoadRequest, LoadSnapshot
 from tests.e2e.mesh_process import UpProcess
 from tests.utils import eventually
@@ -25,10 +30,10 @@ MESSAGES = [{"role": "system", "content": "You are terse."},
 def mesh(nats_url, tiny_model, tmp_path_factory):
     namespace = f"v{uuid.uuid4().hex[:8]}"
     port = free_port()
-    up = UpProcess(["--engine", "vllm", "--workers", "1", "--model", "tiny", "--model-path", str(tiny_model),
+    up = UpProcess(["--engine", "vllm", "--workers", "2", "--model", "tiny", "--model-path", str(tiny_model),
                     "--nats-url", nats_url, "--namespace", namespace, "--http-port", str(port),
                     "--max-model-len", "1024", "--state-dir", str(tmp_path_factory.mktemp("up-vllm"))])
-    up.start(timeout_s=240)
+    up.start(timeout_s=300)
     yield {"base_url": f"http://127.0.0.1:{port}/v1", "key": up.key, "namespace": namespace, "up": up}
     assert up.stop() == 0
 
@@ -98,7 +103,7 @@ def test_repeated_long_prefix_reports_cached_tokens(mesh):
 async def test_vllm_kv_events_reach_the_bus(mesh, nats_url, tokenizer):
     bus = await Bus.connect(nats_url, mesh["namespace"], "kv-probe")
     batches: list[KvEventBatch] = []
-    await bus.subscribe(bus.subjects.kv_events("vllm-0"), KvEventBatch, lambda b, _raw: _append(batches, b))
+    await bus.subscribe(bus.subjects.kv_events_all, KvEventBatch, lambda b, _raw: _append(batches, b))
     client = openai.AsyncOpenAI(base_url=mesh["base_url"], api_key=mesh["key"], max_retries=0)
     messages = [{"role": "user", "content": " ".join(f"event {i} lands on the bus;" for i in range(60))}]
     await client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
@@ -111,8 +116,10 @@ async def test_vllm_kv_events_reach_the_bus(mesh, nats_url, tokenizer):
                    for b in batches for e in b.events)
 
     await eventually(stored_prompt_blocks, 5)
-    assert all(b.source_id == "vllm-0" for b in batches)
-    assert [b.seq for b in batches] == list(range(batches[0].seq, batches[0].seq + len(batches)))
+    assert {b.source_id for b in batches} <= {"vllm-0", "vllm-1"}
+    for source in {b.source_id for b in batches}:
+        seqs = [b.seq for b in batches if b.source_id == source]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
     await bus.close()
 
 
@@ -128,10 +135,13 @@ def test_bad_token_ids_are_a_400_and_the_engine_survives(mesh):
     assert client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=2).usage.prompt_tokens == 3
 
 
+async def _loads(bus: Bus) -> list[LoadSnapshot]:
+    return [await bus.request(bus.subjects.worker_load(w), LoadRequest(), LoadSnapshot) for w in ("vllm-0", "vllm-1")]
+
+
 async def test_client_disconnect_aborts_the_vllm_request_within_a_second(mesh, nats_url):
     bus = await Bus.connect(nats_url, mesh["namespace"], "probe")
-    worker_load = bus.subjects.worker_load("vllm-0")
-    before = await bus.request(worker_load, LoadRequest(), LoadSnapshot)
+    before = sum(s.num_aborted_total for s in await _loads(bus))
     # ignore_eos: a random tiny model may sample EOS at any step; this request must still be running
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 900, "stream": True, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=mesh["base_url"], headers={"Authorization": f"Bearer {mesh['key']}"},
@@ -143,12 +153,58 @@ async def test_client_disconnect_aborts_the_vllm_request_within_a_second(mesh, n
                 lines += bool(line)
                 if lines >= 3:
                     break
-    snapshot = {}
+    async def aborted_and_idle() -> bool:  # the engine drops it at once; the worker counts it as its stream ends
+        loads = await _loads(bus)
+        return not any(s.num_running for s in loads) and sum(s.num_aborted_total for s in loads) == before + 1
 
-    async def idle() -> bool:
-        snapshot["load"] = await bus.request(worker_load, LoadRequest(), LoadSnapshot)
-        return snapshot["load"].num_running == 0
-
-    await eventually(idle, 1.0, 0.02)
-    assert snapshot["load"].num_aborted_total == before.num_aborted_total + 1
+    await eventually(aborted_and_idle, 1.0, 0.02)
     await bus.close()
+
+
+def test_a_repeated_long_prefix_goes_to_the_worker_that_cached_it(mesh):
+    client = openai.OpenAI(base_url=mesh["base_url"], api_key=mesh["key"], max_retries=0)
+    shared = " ".join(f"clause {i} of the agent's standing orders;" for i in range(30))
+    first = client.chat.completions.create(model="tiny", max_tokens=2, messages=[
+        {"role": "system", "content": shared}, {"role": "user", "content": "turn 0"}])
+    assert first.usage.prompt_tokens > 3 * 128
+    for turn in range(1, 5):  # two workers: only KV-aware routing hits the cache every time (1 in 16 by chance)
+        time.sleep(0.2)  # the agent reads the answer; the router hears the KV events and the worker's load
+        reply = client.chat.completions.create(model="tiny", max_tokens=2, messages=[
+            {"role": "system", "content": shared}, {"role": "user", "content": f"turn {turn}"}])
+        assert reply.usage.prompt_tokens_details.cached_tokens >= 3 * 128, turn
+
+
+async def test_a_router_that_loses_a_vllm_kv_batch_replays_it(mesh, nats_url, tokenizer):
+    """A second router replica that drops one batch of real vLLM KV events catches up from the worker."""
+    namespace = mesh["namespace"]
+    bus = await Bus.connect(nats_url, namespace, "lossy-router")
+    router = RouterService(bus, RouterConfig(nats_url=nats_url, namespace=namespace, router_id="lossy"))
+    deliver, dropped = router._on_kv_batch, []
+
+    async def lossy(batch, raw) -> None:
+        if not dropped and any(isinstance(e, BlockStored) for e in batch.events):
+            dropped.append(batch)  # lost on the way, as a dropped NATS message would be
+            return
+        await deliver(batch, raw)
+
+    router._on_kv_batch = lossy  # type: ignore[method-assign]
+    await router.start()
+    try:
+        await eventually(lambda: len(router.index.workers()) == 2 and not any(not t.done()
+                                                                           for t in router._syncs.values()), 30)
+        client = openai.AsyncOpenAI(base_url=mesh["base_url"], api_key=mesh["key"], max_retries=0)
+        prompts = [[{"role": "user", "content": " ".join(f"gap {k} case {i};" for i in range(90))}] for k in range(3)]
+        for messages in prompts:
+            await client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+        hashes = [prompt_hashes(tokenizer.apply_chat_template(m), "tiny") for m in prompts]
+
+        def all_indexed() -> bool:  # every prompt's full 128-token blocks, on some worker
+            return all(max((o.device for o in router.index.find_matches(h).values()), default=0) >= 8 * (len(h) // 8)
+                       for h in hashes)
+
+        await eventually(all_indexed, 10)
+        assert dropped and router.stats["kv_gaps"] >= 1 and router.stats["kv_replays"] >= 1
+        assert router.index.num_skipped_blocks == 0
+    finally:
+        await router.stop()
+        await bus.close()
