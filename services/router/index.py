@@ -23,6 +23,7 @@ goes with host-tier blocks. Cost O(prompt blocks + matched workers), independent
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import islice
 from dataclasses import dataclass, field
 
 from shared.prefix_hash import DEFAULT_BLOCK_SIZE, chain, salt_root
@@ -212,6 +213,10 @@ class PrefixIndex:
     # ------------------------------------------------------------ queries
     def find_matches(self, hashes: Sequence[int]) -> dict[str, Overlap]:
         """Each worker's cached prefix of a prompt given as router hashes (workers with none are left out)."""
+        if not hashes:
+            return {}
+        if not self._holders[HOST]:
+            return self._find_on_device(hashes)
         device_get, host_get = self._holders[DEVICE].get, self._holders[HOST].get
         device_depth: dict[int, int] = {}
         any_depth: dict[int, int] = {}
@@ -240,6 +245,27 @@ class PrefixIndex:
         owners = self._slot_owner
         return {owners[slot]: Overlap(device_depth.get(slot, 0), total - device_depth.get(slot, 0))  # type: ignore[misc]
                 for slot, total in any_depth.items() if total}
+
+
+    def _find_on_device(self, hashes: Sequence[int]) -> dict[str, Overlap]:
+        """find_matches when no worker has a host tier: one lookup per block, the hot path."""
+        get = self._holders[DEVICE].get
+        active = get(hashes[0], 0)
+        if not active:
+            return {}
+        depth_of: dict[int, int] = {}
+        depth = 1
+        for router_hash in islice(hashes, 1, None):
+            still = active & get(router_hash, 0)
+            if still != active:
+                _record(active & ~still, depth, depth_of)
+                active = still
+                if not active:
+                    break
+            depth += 1
+        _record(active, depth, depth_of)
+        owners = self._slot_owner
+        return {owners[slot]: Overlap(d, 0) for slot, d in depth_of.items()}  # type: ignore[misc]
 
 
 def _record(mask: int, depth: int, into: dict[int, int]) -> None:

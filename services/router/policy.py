@@ -99,8 +99,7 @@ class KvAwarePolicy:
                 excluded=request.exclude_worker_ids,
                 kv_usage=view.loads.kv_usage(worker) if worker else 0.0,
                 queued_prefill_tokens=view.loads.prefill_tokens(bound), limits=self.config.affinity)
-        costs = {w.worker_id: self._cost(w, num_prompt_blocks, matches.get(w.worker_id, NO_OVERLAP), view.loads)
-                 for w in candidates}
+        costs = self._costs(candidates, num_prompt_blocks, matches, view.loads)
         if bound is not None and reason is None:
             chosen, sticky = bound, True
         else:
@@ -110,23 +109,28 @@ class KvAwarePolicy:
         uncached = request.num_prompt_tokens - cached
         prefill_worker = ""
         if uncached >= max(self.config.min_remote_prefill_tokens, 1):
-            prefill_worker = self._pick_prefill(request, view, by_id[chosen], num_prompt_blocks, hashes)
+            prefill_worker = self._pick_prefill(request, view, by_id[chosen], num_prompt_blocks, matches)
         reply = RouteDecision(chosen, num_cached_tokens_expected=cached, prefill_worker_id=prefill_worker)
         return Plan(reply, prefill_tokens=0 if prefill_worker else uncached, prompt_tokens=request.num_prompt_tokens,
                     sticky=sticky, repin_reason=reason, costs=costs)
 
-    def _cost(self, worker: WorkerInfo, num_prompt_blocks: int, overlap: Overlap, loads: LoadView) -> float:
-        return scoring.worker_cost(self.config.weights, num_prompt_blocks, overlap,
-                                   loads.prefill_tokens(worker.worker_id), loads.active_tokens(worker),
-                                   loads.kv_usage(worker), self.index.block_size)
+    def _costs(self, candidates: list[WorkerInfo], num_prompt_blocks: int, matches: dict[str, Overlap],
+               loads: LoadView) -> dict[str, float]:
+        weights, block_size, cost = self.config.weights, self.index.block_size, scoring.worker_cost
+        costs = {}
+        for w in candidates:
+            queued, active = loads.figures(w)
+            capacity = w.num_kv_blocks * w.block_size
+            costs[w.worker_id] = cost(weights, num_prompt_blocks, matches.get(w.worker_id, NO_OVERLAP), queued,
+                                      active, active / capacity if capacity else 0.0, block_size)
+        return costs
 
     def _pick_prefill(self, request: RouteRequest, view: RouteView, decoder: WorkerInfo, num_prompt_blocks: int,
-                      hashes: list[int]) -> str:
+                      matches: dict[str, Overlap]) -> str:
         filters = _serving_filters(request, view, ("prefill",)) + [scoring.kv_compatible(decoder)]
         prefillers = scoring.apply_filters(view.workers, filters)
         if not prefillers:
             return ""
-        matches = self.index.find_matches(hashes) if hashes else {}
         prefill_only = CostWeights(prefill=1.0, decode=0.0, host_overlap=self.config.weights.host_overlap)
         costs = {w.worker_id: scoring.worker_cost(prefill_only, num_prompt_blocks, matches.get(w.worker_id, NO_OVERLAP),
                                                   view.loads.prefill_tokens(w.worker_id), 0, 0.0,
