@@ -416,3 +416,24 @@ def test_load_blocks_with_a_cycle_skips_it():
     index = make("w")
     index.load_blocks("w", [stored([1], 2, toks(1)), stored([2], 1, toks(1, 100))])
     assert index.num_skipped_blocks == 2 and index.num_blocks("w") == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_device_only_fast_path_answers_as_the_two_tier_walk(seed):
+    # find_matches takes a one-lookup path when no host block is indexed; a host block on an
+    # unrelated chain forces the general walk: both must give the same overlaps
+    base = toks(40, start=1000)
+    fast, general = make(*(f"w{i}" for i in range(12))), make(*(f"w{i}" for i in range(12)), "h")
+    for index in (fast, general):
+        for i in range(12):
+            depth = (i * 7 + seed) % 41
+            if depth:
+                index.apply(f"w{i}", [stored(list(range(100 * i + 1, 100 * i + depth + 1)), None,
+                                             base[:depth * BS])])
+    general.apply("h", [stored([9_999], None, toks(1, start=50_000), medium="CPU")])
+    for n in (1, 5, 17, 40):
+        prompt = ph(base[:n * BS])
+        assert fast._holders[HOST] == {} and general._holders[HOST] != {}
+        assert fast.find_matches(prompt) == general.find_matches(prompt)
+        assert fast.find_matches(prompt) == {f"w{i}": Overlap(min((i * 7 + seed) % 41, n), 0)
+                                             for i in range(12) if (i * 7 + seed) % 41}
