@@ -23,13 +23,13 @@ goes with host-tier blocks. Cost O(prompt blocks + matched workers), independent
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from itertools import islice
 from dataclasses import dataclass, field
 
 from shared.prefix_hash import DEFAULT_BLOCK_SIZE, chain, salt_root
 from shared.schema import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 DEVICE, HOST = 0, 1
+STRIDE = 8  # blocks between lookups on the device-only path (see _find_on_device)
 HOST_MEDIA = frozenset({"CPU", "cpu", "HOST", "host", "DISK", "disk"})
 
 
@@ -248,25 +248,39 @@ class PrefixIndex:
 
 
     def _find_on_device(self, hashes: Sequence[int]) -> dict[str, Overlap]:
-        """find_matches when no worker has a host tier: one lookup per block, the hot path."""
+        """find_matches when no worker has a host tier: the hot path, about one lookup per STRIDE blocks.
+
+        Engines keep a worker's blocks prefix-closed on the device (a block is cached only after its
+        parent, and a request frees its blocks tail first, so descendants are evicted before their
+        ancestors): a worker holding block i holds blocks 0..i. So the walk checks every STRIDE-th
+        block and, where some workers drop out, walks back over that stride for just those workers.
+        In a 1M-block index each lookup is a cache miss or three; this is what keeps a 32K-token
+        prompt's decision under a millisecond.
+        """
         get = self._holders[DEVICE].get
         active = get(hashes[0], 0)
         if not active:
             return {}
         depth_of: dict[int, int] = {}
-        depth = 1
-        for router_hash in islice(hashes, 1, None):
-            still = active & get(router_hash, 0)
+        last = len(hashes) - 1
+        held = 0  # index of a block every active worker holds
+        while held < last and active:
+            probe = min(held + STRIDE, last)
+            still = active & get(hashes[probe], 0)
             if still != active:
-                _record(active & ~still, depth, depth_of)
+                dropped = active & ~still
+                for k in range(held + 1, probe + 1):  # where in the stride each dropped worker stops
+                    keep = dropped & get(hashes[k], 0)
+                    if keep != dropped:
+                        _record(dropped & ~keep, k, depth_of)
+                        dropped = keep
+                        if not dropped:
+                            break
                 active = still
-                if not active:
-                    break
-            depth += 1
-        _record(active, depth, depth_of)
+            held = probe
+        _record(active, len(hashes), depth_of)
         owners = self._slot_owner
         return {owners[slot]: Overlap(d, 0) for slot, d in depth_of.items()}  # type: ignore[misc]
-
 
 def _record(mask: int, depth: int, into: dict[int, int]) -> None:
     while mask:

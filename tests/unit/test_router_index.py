@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.router.index import DEVICE, HOST, Overlap, PrefixIndex, tier_of
+from services.router.index import DEVICE, HOST, STRIDE, Overlap, PrefixIndex, tier_of
 from shared.prefix_hash import prompt_hashes
 from shared.schema import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -163,8 +163,20 @@ def test_one_worker_removing_a_block_leaves_the_other_holder_alone():
     p = toks(3)
     ha = hold(index, "a", p, 100)
     hold(index, "b", p, 200)
-    index.apply("a", [removed([ha[1]])])
-    assert index.find_matches(ph(p)) == {"a": Overlap(1, 0), "b": Overlap(3, 0)}
+    index.apply("a", [removed([ha[2]])])  # engines evict a chain tail first
+    assert index.find_matches(ph(p)) == {"a": Overlap(2, 0), "b": Overlap(3, 0)}
+
+
+def test_the_device_walk_assumes_prefix_closed_workers():
+    # Engines never leave a hole (a block cached without its parent): the device-only walk checks
+    # every STRIDE-th block and so counts through one. Pinned, so that changing it is a decision.
+    index = make("a")
+    p = toks(STRIDE + 1)
+    ha = hold(index, "a", p, 100)
+    index.apply("a", [removed([ha[3]])])
+    assert index.find_matches(ph(p)) == {"a": Overlap(STRIDE + 1, 0)}
+    index.apply("a", [removed([ha[STRIDE]])])  # a drop seen at a probe is located by walking its stride
+    assert index.find_matches(ph(p)) == {"a": Overlap(3, 0)}
 
 
 # ------------------------------------------------------------ engine block sizes
