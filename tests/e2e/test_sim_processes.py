@@ -24,6 +24,16 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 MESSAGES = [{"role": "user", "content": "route me somewhere with a warm cache"}]
 
 
+def sim_worker_processes(nats_url: str, namespace: str, model_path, worker_ids, ttl_s: float,
+                         itl_ms: int) -> dict[str, subprocess.Popen]:
+    """Sim workers as their own processes (heartbeat every 0.5 s), so a test can SIGKILL one."""
+    env = {**os.environ, "INFERMESH_NATS_URL": nats_url, "INFERMESH_NAMESPACE": namespace}
+    return {wid: subprocess.Popen([sys.executable, "-m", "services.worker", "--worker-id", wid, "--engine", "sim",
+                                   "--model", "tiny", "--model-path", str(model_path), "--heartbeat-s", "0.5",
+                                   "--heartbeat-ttl-s", str(ttl_s), "--sim-itl-ms", str(itl_ms)], env=env)
+            for wid in worker_ids}
+
+
 async def _finished(bus: Bus, worker_id: str) -> int:
     snapshot = await bus.request(bus.subjects.worker_load(worker_id), LoadRequest(), LoadSnapshot)
     return snapshot.num_finished_total
@@ -55,13 +65,7 @@ async def test_killed_worker_lapses_within_ttl_and_traffic_moves(nats_url, names
     mesh = LocalMesh(nats_url, namespace)
     await mesh.start_router()
     await mesh.start_edge()
-    env = {**os.environ, "INFERMESH_NATS_URL": nats_url, "INFERMESH_NAMESPACE": namespace}
-    procs = {
-        wid: subprocess.Popen([sys.executable, "-m", "services.worker", "--worker-id", wid, "--engine", "sim",
-                               "--model", "tiny", "--model-path", str(tiny_model), "--heartbeat-s", "0.5",
-                               "--heartbeat-ttl-s", "2", "--sim-itl-ms", "50"], env=env)
-        for wid in ("sim-a", "sim-b")
-    }
+    procs = sim_worker_processes(nats_url, namespace, tiny_model, ("sim-a", "sim-b"), ttl_s=2, itl_ms=50)
     try:
         await eventually(lambda: len(mesh.edge.mesh.directory.live()) == 2 and mesh.edge.mesh.is_ready(), 30)
         client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key=mesh.dev_key, max_retries=0)
@@ -94,13 +98,7 @@ async def test_killing_a_sessions_decoder_repins_the_next_turn_with_no_client_er
     mesh = LocalMesh(nats_url, namespace)
     router = await mesh.start_router()
     await mesh.start_edge()
-    env = {**os.environ, "INFERMESH_NATS_URL": nats_url, "INFERMESH_NAMESPACE": namespace}
-    procs = {
-        wid: subprocess.Popen([sys.executable, "-m", "services.worker", "--worker-id", wid, "--engine", "sim",
-                               "--model", "tiny", "--model-path", str(tiny_model), "--heartbeat-s", "0.5",
-                               "--heartbeat-ttl-s", "5", "--sim-itl-ms", "2"], env=env)
-        for wid in ("sim-a", "sim-b", "sim-c")
-    }
+    procs = sim_worker_processes(nats_url, namespace, tiny_model, ("sim-a", "sim-b", "sim-c"), ttl_s=5, itl_ms=2)
     try:
         await eventually(lambda: len(mesh.edge.mesh.directory.live()) == 3 and mesh.edge.mesh.is_ready()
                          and len(router.index.workers()) == 3, 30)
