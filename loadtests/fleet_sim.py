@@ -15,6 +15,12 @@ heap ordered by simulated time::
                 kv_ready at now + each transfer's time
 
 A whole run is deterministic for a given workload seed.
+
+Routing: ``Router`` (round robin, least loaded, sticky sessions) or, for ``kv_aware``, ``KvRouter``:
+the live router's ``KvAwarePolicy`` as it is, over a ``PrefixIndex`` fed by the workers' own KV
+events (drained after every begin_step and end_step) and a ``LoadView`` of snapshots taken at each
+decision. The simulated router therefore knows every worker's cache and load exactly and at once; the
+live one learns them a bus hop (events) or a snapshot period (load) late.
 """
 
 from __future__ import annotations
@@ -26,10 +32,17 @@ from typing import Callable
 
 from loadtests.report import RequestRecord
 from loadtests.workloads import Arrival, Workload
+from services.router.index import PrefixIndex
+from services.router.policy import KvAwarePolicy, KvRoutingConfig, RouteView
+from services.router.scoring import LoadView
 from services.worker.engines.block_pool import fast_hash_block
 from services.worker.engines.cost_model import Profile
 from services.worker.engines.scheduler import SimRequest
 from services.worker.engines.sim_worker import SimWorker, SimWorkerConfig
+from shared.prefix_hash import DEFAULT_BLOCK_SIZE, prompt_hashes
+from shared.schema import LoadSnapshot, RouteDecision, RouteRequest, WorkerInfo
+
+SIM_MODEL = "sim-model"  # the model every simulated worker serves (the router hashes are salted with it)
 
 
 @dataclass(slots=True)
@@ -39,7 +52,7 @@ class FleetConfig:
     profile: Profile
     num_workers: int = 8  # decode workers when disaggregated
     num_prefill: int = 0
-    policy: str = "session"  # round_robin | least_loaded | session
+    policy: str = "session"  # round_robin | least_loaded | session | kv_aware
     kv_dtype: str = "fp8"
     kv_layout: str = "BLHNC"
     block_size: int = 0
@@ -55,7 +68,10 @@ class FleetConfig:
     # step lasts as long as its slowest rank's. 1 = independent workers.
     prefill_dp_group: int = 1
     decode_dp_group: int = 1
-
+    # kv_aware only: the policy's configuration (None: its defaults), and whether a session is bound to the
+    # worker it was last sent to (the policy keeps it there until affinity's limits say move)
+    kv_routing: KvRoutingConfig | None = None
+    kv_bind_sessions: bool = False
 
     @property
     def num_gpus(self) -> int:
@@ -94,6 +110,79 @@ class Router:
         return least_loaded
 
 
+class KvRouter:
+    """``kv_aware``: services/router/policy.KvAwarePolicy as it is, over the simulated fleet.
+
+    index  <- each worker's block-pool KV events (``sync`` after every begin_step and end_step: the pool
+              records them only for this policy); the index names blocks by its own hashes of the token
+              ids, so the engines' offline hasher (fast_hash_block) never reaches it
+    loads  <- a LoadSnapshot of every worker from ``worker.load()`` at each decision: perfect,
+              instantaneous load information (the live router has periodic snapshots plus what it
+              routed since)
+    request = the prompt's router hashes (shared.prefix_hash.prompt_hashes), as the edge sends them
+
+    Decoders (role both, or decode when disaggregated) and prefill workers share one index and one view;
+    the policy names the decoder and, when disaggregated and part of the prompt is uncached, the
+    prefill worker.
+    """
+
+    def __init__(self, decoders: list[SimWorker], prefillers: list[SimWorker], config: FleetConfig,
+                 block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        self.index = PrefixIndex(block_size)
+        self.loads = LoadView()
+        self.policy = KvAwarePolicy(self.index, config.kv_routing)
+        self.bind_sessions = config.kv_bind_sessions
+        self.workers = {w.worker_id: w for w in decoders + prefillers}
+        roles = {w.worker_id: ("decode" if prefillers else "both") for w in decoders}
+        roles.update((w.worker_id, "prefill") for w in prefillers)
+        self._roles = roles
+        for worker_id in self.workers:
+            self.index.add_worker(worker_id, SIM_MODEL)
+        self._seq = itertools.count(1)
+        self._bound: dict[str, str] = {}  # session -> decoder (kv_bind_sessions)
+        self.num_repins = 0
+        self.expected_cached: dict[str, int] = {}  # request id -> the router's expected cached prompt tokens
+
+    def sync(self, worker: SimWorker) -> None:
+        """Apply the KV events the worker's pool recorded since the last sync, as the live router would."""
+        events = worker.pool.drain_events()
+        if events:
+            self.index.apply(worker.worker_id, events)
+
+    def _view(self, now: float) -> RouteView:
+        infos = []
+        for worker_id, worker in self.workers.items():
+            c, load = worker.config, worker.load()
+            self.loads.observe(LoadSnapshot(
+                source_id=worker_id, seq=next(self._seq), ts=now, num_running=load.num_running,
+                num_waiting=load.num_waiting, num_active_blocks=load.num_active_blocks,
+                num_kv_blocks=load.num_kv_blocks, num_prefill_tokens=load.num_prefill_tokens))
+            infos.append(WorkerInfo(worker_id=worker_id, role=self._roles[worker_id], model=SIM_MODEL,  # type: ignore[arg-type]
+                                    engine="sim", block_size=worker.pool.block_size,
+                                    num_kv_blocks=worker.pool.num_blocks, max_model_len=1 << 30, tokenizer="",
+                                    kv_dtype=c.kv_dtype, kv_layout=c.kv_layout, ts=now))
+        return RouteView(infos, self.loads, now)
+
+    def route(self, arrival: Arrival, now: float) -> tuple[SimWorker, SimWorker | None]:
+        """(decoder, prefill worker or None) for an arrival."""
+        request = RouteRequest(arrival.request_id, SIM_MODEL, len(arrival.prompt_token_ids),
+                               session_id=arrival.session_id,
+                               block_hashes=prompt_hashes(arrival.prompt_token_ids, SIM_MODEL,
+                                                          block_size=self.index.block_size),
+                               block_size=self.index.block_size)
+        bound = self._bound.get(arrival.session_id) if self.bind_sessions and arrival.session_id else None
+        plan = self.policy.route(request, self._view(now), bound=bound)
+        reply = plan.reply
+        assert isinstance(reply, RouteDecision), reply  # every simulated worker is live and serves the model
+        if plan.repin_reason is not None:
+            self.num_repins += 1
+        if self.bind_sessions and arrival.session_id:
+            self._bound[arrival.session_id] = reply.worker_id
+        self.expected_cached[arrival.request_id] = reply.num_cached_tokens_expected
+        prefiller = self.workers[reply.prefill_worker_id] if reply.prefill_worker_id else None
+        return self.workers[reply.worker_id], prefiller
+
+
 def _queued_requests(worker: SimWorker) -> float:
     s = worker.scheduler
     return len(s.running) + len(s.waiting)
@@ -127,18 +216,19 @@ class FleetSim:
                 worker_id=f"{role}-{i}", profile=c.profile, role=role, kv_dtype=c.kv_dtype,
                 kv_layout=c.kv_layout, block_size=c.block_size, num_kv_blocks=c.num_kv_blocks,
                 host_kv_blocks=-1 if c.host_kv else 0, max_num_batched_tokens=budget,
-                max_num_seqs=c.max_num_seqs, hasher=fast_hash_block, record_events=False),
+                max_num_seqs=c.max_num_seqs, hasher=fast_hash_block, record_events=c.policy == "kv_aware"),
                 c.cost() if c.cost else None)
 
         disaggregated = c.num_prefill > 0
         decode_budget = c.decode_max_num_batched_tokens if disaggregated else c.max_num_batched_tokens
         self.decoders = [make(i, "decode" if disaggregated else "both", decode_budget) for i in range(c.num_workers)]
         self.prefillers = [make(i, "prefill", c.max_num_batched_tokens) for i in range(c.num_prefill)]
-        self.decode_router = Router(c.policy, self.decoders, _queued_requests, slack=8)
+        self.kv_router = KvRouter(self.decoders, self.prefillers, c) if c.policy == "kv_aware" else None
+        self.decode_router = Router(c.policy, self.decoders, _queued_requests, slack=8) if not self.kv_router else None
         # Prefill load is requests queued or prefilling there: a queued prompt's token count would mostly
         # be its cached history, so it says little about the work left.
         self.prefill_router = (Router(c.policy, self.prefillers, _queued_requests, slack=4)
-                               if disaggregated else None)
+                               if disaggregated and not self.kv_router else None)
         self._heap: list[tuple[float, int, str, object]] = []
         self._seq = itertools.count()
         self._clients: dict[str, _Client] = {}
@@ -183,7 +273,11 @@ class FleetSim:
                 self._start_steps()  # every event at time t is in before idle workers pick their next batch
         records = [client.record for client in self._clients.values()]
         busy = {w.worker_id: w.busy_s for w in self.prefillers + self.decoders}
-        repins = self.decode_router.num_repins + (self.prefill_router.num_repins if self.prefill_router else 0)
+        if self.kv_router is not None:
+            repins = self.kv_router.num_repins
+        else:
+            assert self.decode_router is not None
+            repins = self.decode_router.num_repins + (self.prefill_router.num_repins if self.prefill_router else 0)
         return FleetResult(records, self.now, num_events, busy, repins)
 
     def _arrive(self, arrival: Arrival, workload: Workload) -> None:
@@ -193,12 +287,19 @@ class FleetSim:
                                num_cached_tokens=0)
         client = _Client(arrival, record)
         self._clients[arrival.request_id] = client
-        decoder = self.decode_router.pick(arrival.session_id)
-        if self.prefill_router is not None:
-            client.decode_worker = decoder
-            worker = self.prefill_router.pick(arrival.session_id)
+        if self.kv_router is not None:
+            decoder, prefiller = self.kv_router.route(arrival, self.now)
+            if prefiller is not None:
+                client.decode_worker = decoder
+            worker = prefiller or decoder  # no prefill worker named: the decoder computes the prompt itself
         else:
-            worker = decoder
+            assert self.decode_router is not None
+            decoder = self.decode_router.pick(arrival.session_id)
+            if self.prefill_router is not None:
+                client.decode_worker = decoder
+                worker = self.prefill_router.pick(arrival.session_id)
+            else:
+                worker = decoder
         self._submit(worker, SimRequest(arrival.request_id, arrival.prompt_token_ids, arrival.max_tokens,
                                         arrival_t=self.now), client, workload)
 
@@ -231,6 +332,8 @@ class FleetSim:
             steps = []
             for member in group:
                 step = member.begin_step(self.now)
+                if self.kv_router is not None:
+                    self.kv_router.sync(member)  # admissions store blocks, evictions remove them
                 if step is None:
                     continue
                 steps.append((member, step))
@@ -241,7 +344,10 @@ class FleetSim:
                 self._push(self.now + max(step.duration_s for _, step in steps), "step_end", (group, steps))
 
     def _step_end(self, worker: SimWorker, step: object, workload: Workload) -> None:
-        for request, token in worker.end_step(step, self.now):  # type: ignore[arg-type]
+        produced = worker.end_step(step, self.now)  # type: ignore[arg-type]
+        if self.kv_router is not None:
+            self.kv_router.sync(worker)
+        for request, token in produced:
             client = self._clients[request.request_id]
             record = client.record
             if record.scheduled_t is None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from loadtests.fleet_sim import FleetConfig, FleetSim
 from loadtests.workloads import AgentSessions, Arrival
 from services.worker.engines.cost_model import load_profile
+from shared.prefix_hash import prompt_hashes
 
 PROFILE = load_profile("gb200-glm53")
 
@@ -130,3 +133,85 @@ def test_sessions_stay_on_their_prefill_worker_under_ordinary_load() -> None:
     for r in result.records:
         prefill_of.setdefault(r.session_id, set()).add(r.worker_id.split(">")[0])
     assert all(len(workers) == 1 for workers in prefill_of.values()) and sim.prefill_router.num_repins == 0
+
+
+# ---------------------------------------------------------------- kv_aware: the live router's KvAwarePolicy
+@pytest.mark.parametrize("block_size", [16, 64])  # the router's blocks are 16 tokens: engine blocks of 64 are 4 each
+def test_kv_aware_sends_a_repeated_long_prefix_to_the_worker_that_cached_it(block_size) -> None:
+    prefix = list(range(50_000, 50_800))  # 800 tokens
+    arrivals = [Arrival(0.0, "first", prefix + [1, 2, 3], 3)]
+    # unrelated traffic in between, then the prefix comes back three times
+    arrivals += [arrival(i, t=1.0 + 0.001 * i, n=300) for i in range(1, 4)]
+    arrivals += [Arrival(5.0 * k, f"again-{k}", prefix + [k] * 40, 3) for k in (1, 2, 3)]
+    sim = FleetSim(config(num_workers=4, policy="kv_aware", block_size=block_size, num_kv_blocks=4096 // block_size))
+    records = {r.request_id: r for r in sim.run(Fixed(arrivals)).records}
+    first = records["first"].worker_id  # by chance alone, all three would land there 1 time in 64
+    for k in (1, 2, 3):
+        again = records[f"again-{k}"]
+        assert again.worker_id == first
+        assert again.num_cached_tokens >= 800 // block_size * block_size > 0
+        assert sim.kv_router.expected_cached[again.request_id] >= again.num_cached_tokens
+    index = sim.kv_router.index
+    assert index.num_skipped_blocks == 0 and index.num_blocks(first) > 0
+
+
+def test_kv_aware_index_follows_evictions() -> None:
+    # one worker, a pool of 16 blocks: the second prompt evicts the first, and the index must say so
+    sim = FleetSim(config(policy="kv_aware", num_kv_blocks=16))
+    sim.run(Fixed([arrival(0, n=200, max_tokens=2), arrival(1, t=1.0, n=200, max_tokens=2)]))
+    pool, index = sim.decoders[0].pool, sim.kv_router.index
+    assert index.num_blocks("both-0") == pool.num_cached_blocks > 0
+    for tokens in (list(range(0, 200)), list(range(1000, 1200))):
+        in_pool = pool.find_cached_prefix(tokens + [7]) // 16  # one more token, so the last-token cap does not bite
+        in_index = index.find_matches(prompt_hashes(tokens, "sim-model")).get("both-0")
+        assert (in_index.device if in_index else 0) == in_pool
+    assert pool.find_cached_prefix(list(range(0, 200)) + [7]) < 200 // 16 * 16  # the first prompt was evicted
+
+
+class Anonymous:
+    """Agent sessions whose requests carry no session id: only the prompts can keep a session together."""
+
+    def __init__(self, inner: AgentSessions) -> None:
+        self.inner, self._originals = inner, {}
+
+    def _strip(self, arrivals: list[Arrival]) -> list[Arrival]:
+        self._originals.update((a.request_id, a) for a in arrivals)
+        return [dataclasses.replace(a, session_id=None) for a in arrivals]
+
+    def start(self) -> list[Arrival]:
+        return self._strip(self.inner.start())
+
+    def on_complete(self, arrival, output_token_ids, t) -> list[Arrival]:
+        return self._strip(self.inner.on_complete(self._originals[arrival.request_id], output_token_ids, t))
+
+    @property
+    def done(self) -> bool:
+        return self.inner.done
+
+
+def _hit_rate(policy: str) -> float:
+    workload = AgentSessions(8, turns=8, scale=0.01, think_time_s=1.0, seed=5, stagger_s=2.0)
+    result = FleetSim(config(num_workers=4, policy=policy, num_kv_blocks=64)).run(Anonymous(workload))
+    assert workload.done and all(r.error is None for r in result.records)
+    later = [r for r in result.records if not r.request_id.endswith("-t0")]
+    return sum(r.num_cached_tokens for r in later) / sum(r.num_prompt_tokens for r in later)
+
+
+def test_kv_aware_beats_round_robin_on_sessions_that_do_not_fit_every_worker() -> None:
+    # 8 sessions of up to ~580 tokens on 4 workers of 1024 tokens of KV: a quarter of them fit a worker,
+    # all of them do not, so round robin (every session on every worker) keeps evicting. Without session ids,
+    # kv_aware cannot stick sessions by key: only its prefix index can.
+    kv, rr = _hit_rate("kv_aware"), _hit_rate("round_robin")
+    assert kv > rr + 0.15, (kv, rr)
+
+
+def test_kv_aware_disaggregated_names_a_prefill_worker_and_the_decoder_keeps_the_prefix() -> None:
+    prefix = list(range(60_000, 60_640))  # 640 tokens, 40 blocks
+    arrivals = [Arrival(5.0 * k, f"p{k}", prefix + [k] * 20, 2) for k in range(3)]
+    sim = FleetSim(config(num_workers=2, num_prefill=2, policy="kv_aware"))
+    records = sorted(sim.run(Fixed(arrivals)).records, key=lambda r: r.arrival_t)
+    assert all(r.error is None and ">" in r.worker_id for r in records)  # prefilled remotely, then decoded
+    decoders = {r.worker_id.split(">")[1] for r in records}
+    prefillers = {r.worker_id.split(">")[0] for r in records}
+    assert len(decoders) == len(prefillers) == 1  # both sides go back to the worker holding the prefix
+    assert all(r.num_cached_tokens >= 640 for r in records[1:])
