@@ -226,9 +226,14 @@ class RouterService:
 
     async def decide(self, request: RouteRequest) -> Plan:
         """Route one request: the policy's plan, the session binding kept or moved, the load counted."""
+        plan = None
         if request.session_id and self.sessions is not None:
-            plan = await self._decide_in_session(request, request.session_id, self.sessions)
-        else:
+            try:
+                plan = await self._decide_in_session(request, request.session_id, self.sessions)
+            except Exception as exc:  # the sessions bucket is unreachable: route without affinity, never fail
+                self.stats["affinity_errors"] += 1
+                log.warning("session %s routed without affinity: %s", request.session_id, exc)
+        if plan is None:
             plan = self.policy.route(request, self.view())
         if isinstance(plan.reply, RouteDecision):
             self.stats["decisions"] += 1

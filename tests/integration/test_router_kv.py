@@ -149,3 +149,19 @@ async def test_a_lost_last_batch_is_found_from_the_workers_load_and_replayed(fle
     # the worker's next load snapshot (at most load_publish_s later) says kv_seq 1
     await eventually(lambda: matches(router, a, tokens) == {"a": Overlap(4, 0)}, 5)
     assert router.stats["kv_gaps"] == 1 and router.stats["kv_replays"] == 1
+
+
+async def test_a_session_routes_without_affinity_when_the_sessions_bucket_fails(fleet):
+    from shared.schema import RouteDecision, RouteRequest
+
+    a = await fleet.worker("a")
+    router = await fleet.router()
+    await eventually(lambda: router.stats["kv_snapshots"] == 1, 5)
+
+    async def unreachable(_session_id: str):
+        raise TimeoutError("sessions bucket unreachable")
+
+    router.sessions.get = unreachable  # type: ignore[method-assign]
+    plan = await router.decide(RouteRequest("r1", a.spec.model, 10, session_id="s1"))
+    assert isinstance(plan.reply, RouteDecision) and plan.reply.worker_id == "a"
+    assert router.stats["affinity_errors"] == 1 and router.stats["decisions"] == 1
