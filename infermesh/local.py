@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.breaker.config import BreakerConfig
+from services.breaker.service import BreakerService
 from services.edge.config import EdgeConfig
 from services.edge.service import EdgeService
 from services.router.config import RouterConfig
@@ -26,6 +28,7 @@ class LocalMesh:
     routers: list[RouterService] = field(default_factory=list)  # replicas: one queue group
     workers: list[WorkerService] = field(default_factory=list)
     edges: list[EdgeService] = field(default_factory=list)
+    breakers: list[BreakerService] = field(default_factory=list)
 
     @property
     def router(self) -> RouterService | None:
@@ -46,6 +49,13 @@ class LocalMesh:
         await router.start()
         self.routers.append(router)
         return router
+
+    async def start_breaker(self, **options: object) -> BreakerService:
+        config = BreakerConfig(nats_url=self.nats_url, namespace=self.namespace, **options)  # type: ignore[arg-type]
+        breaker = BreakerService(await self._bus(f"breaker-{len(self.breakers)}"), config)
+        await breaker.start()
+        self.breakers.append(breaker)
+        return breaker
 
     async def start_worker(self, **options: object) -> WorkerService:
         config = WorkerConfig(nats_url=self.nats_url, namespace=self.namespace, **options)  # type: ignore[arg-type]
@@ -76,5 +86,7 @@ class LocalMesh:
             await worker.stop()
         for router in self.routers:
             await router.stop()
+        for breaker in self.breakers:
+            await breaker.stop()
         for bus in self.buses:
             await bus.close()

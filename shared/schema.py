@@ -99,6 +99,36 @@ class RouteRejected(Struct, frozen=True, tag="rejected"):
 RouteReply = RouteDecision | RouteRejected
 
 
+class Outcome(Struct, frozen=True):
+    """How one attempt went on one worker, published by the edge for the breaker."""
+
+    worker_id: str
+    request_id: str  # the attempt's id (a retry has its own)
+    ok: bool
+    kind: str = ""  # the failure: worker_unavailable | timeout | engine_error | stream_gap | broken | ...
+    ttft_ms: float = 0.0
+    ts: float = 0.0
+
+
+class BreakerRecord(Struct, frozen=True):
+    """A worker's breaker, in the breakers KV bucket (key: worker id), watched by every router and edge."""
+
+    worker_id: str
+    state: str  # closed | open | half_open
+    since: float  # wall time the state began
+    reason: str = ""
+    period: int = 0  # half-open periods so far: the probe permit's number
+    probe_request_id: str = ""  # who took this period's permit ("" = free); routers take it by CAS
+
+
+class BreakerTransition(Struct, frozen=True):
+    worker_id: str
+    old: str
+    new: str
+    reason: str
+    ts: float
+
+
 class SessionBinding(Struct, frozen=True):
     """A session's decode worker, in the sessions KV bucket (per-key idle TTL, CAS updates)."""
 

@@ -15,7 +15,10 @@ tests - can share one NATS server without hearing each other.
     <ns>.router.decisions             publish        RouteDecisionEvent (replicas share pending load)
     <ns>.router.<id>.explain          request/reply  RouteRequest -> RouteReply, one replica, no side effects
     KV bucket <ns>_workers            key <id>       WorkerInfo, per-key TTL (lapses if heartbeats stop)
+    <ns>.outcome.<id>                 publish        Outcome (edge -> breaker)
+    <ns>.breaker.transitions          publish        BreakerTransition
     KV bucket <ns>_sessions           key s-<hash>   SessionBinding, per-key idle TTL, CAS writes
+    KV bucket <ns>_breakers           key <id>       BreakerRecord, CAS writes (probe permits too)
 """
 
 from __future__ import annotations
@@ -84,6 +87,17 @@ class Subjects:
     def kv_events_all(self) -> str:
         return f"{self.namespace}.kv.*"
 
+    def outcome(self, worker_id: str) -> str:
+        return f"{self.namespace}.outcome.{worker_id}"
+
+    @property
+    def outcome_all(self) -> str:
+        return f"{self.namespace}.outcome.*"
+
+    @property
+    def breaker_transitions(self) -> str:
+        return f"{self.namespace}.breaker.transitions"
+
     # --- token streams back to one edge
     def stream_prefix(self, edge_id: str) -> str:
         return f"{self.namespace}.stream.{_check_token(edge_id, 'edge id')}"
@@ -95,6 +109,10 @@ class Subjects:
     @property
     def workers_bucket(self) -> str:
         return f"{self.namespace}_workers"
+
+    @property
+    def breakers_bucket(self) -> str:
+        return f"{self.namespace}_breakers"
 
     @property
     def sessions_bucket(self) -> str:

@@ -20,11 +20,12 @@ from services.edge import errors
 from services.edge.config import EdgeConfig
 from services.edge.text import IncrementalDetokenizer, StopStringMatcher
 from services.edge.tokenizer import ModelTokenizer
+from shared.breakers import BreakerView
 from shared.bus import Bus, BusError, StreamReceiver, TokenStream
 from shared.prefix_hash import prompt_hashes
 from shared.registry import WorkerDirectory
 from shared.schema import (
-    AbortRequest, GenerateRequest, RouteDecision, RouteReply, RouteRequest, SamplingParams,
+    AbortRequest, GenerateRequest, Outcome, RouteDecision, RouteReply, RouteRequest, SamplingParams,
     StreamEnd, StreamError, TokenChunk, WorkerInfo,
 )
 
@@ -57,7 +58,7 @@ class _WorkerFailedEarly(Exception):
         self.error, self.worker_id = error, worker_id
 
 
-RETRYABLE = ("worker_unavailable", "worker_shutdown", "stream_gap", "timeout")
+RETRYABLE = ("worker_unavailable", "worker_shutdown", "stream_gap", "timeout", "engine_error", "bad_message")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +75,7 @@ class EdgeMesh:
         self.bus = bus
         self.directory = WorkerDirectory(bus)
         self.receiver = StreamReceiver(bus, edge_id)
+        self.breakers = BreakerView(bus)
         self._tokenizers: dict[str, ModelTokenizer] = {}
         self._loading: dict[str, asyncio.Task[ModelTokenizer]] = {}
         self._background: set[asyncio.Task[None]] = set()
@@ -82,12 +84,14 @@ class EdgeMesh:
         self.directory.on_added.append(self._on_worker_added)
         self.directory.on_removed.append(self._on_worker_removed)
         await self.receiver.start()
+        await self.breakers.start()
         await self.directory.start()
         for info in self.directory.live():
             self._on_worker_added(info)
 
     async def stop(self) -> None:
         await self.receiver.stop()
+        await self.breakers.stop()
         await self.directory.stop()
 
     # ------------------------------------------------------------ models and tokenizers
@@ -188,6 +192,8 @@ class EdgeMesh:
         tokenizer: ModelTokenizer, stop: list[str], hints: RouteHints, excluded: list[str],
     ) -> AsyncIterator[str | Finished]:
         decision = await self.route(request_id, model, prompt_token_ids, hints, excluded)
+        if self.breakers.is_open(decision.worker_id):  # the router decided before it heard: no traffic there
+            decision = await self.route(request_id, model, prompt_token_ids, hints, excluded + [decision.worker_id])
         worker_id = decision.worker_id
         kv_transfer, prefill_cached = None, None
         if decision.prefill_worker_id:
@@ -198,6 +204,7 @@ class EdgeMesh:
         stream = self.receiver.open(request_id, worker_id, self.config.first_token_timeout_s,
                                     self.config.inter_token_timeout_s)
         finished = False
+        sent_at, ttft_ms = time.monotonic(), 0.0
         try:
             await self.bus.publish(
                 self.bus.subjects.worker_generate(worker_id),
@@ -211,6 +218,8 @@ class EdgeMesh:
             while True:
                 message = await stream.next()
                 if isinstance(message, TokenChunk):
+                    if not num_output:
+                        ttft_ms = 1000 * (time.monotonic() - sent_at)
                     num_output += len(message.token_ids)
                     text, hit = stopper.feed(detokenizer.push(message.token_ids))
                     if text:
@@ -218,12 +227,14 @@ class EdgeMesh:
                     if hit:
                         end = await self._abort_and_drain(stream)
                         finished = True
+                        self._report(worker_id, request_id, True, "", ttft_ms)
                         yield Finished("stop", len(prompt_token_ids),
                                        _cached(prefill_cached, end.num_cached_tokens if end else 0), num_output,
                                        worker_id)
                         return
                 elif isinstance(message, StreamEnd):
                     finished = True
+                    self._report(worker_id, request_id, True, "", ttft_ms)
                     text, hit = stopper.feed(detokenizer.flush())
                     text += "" if hit else stopper.flush()
                     if text:
@@ -233,6 +244,8 @@ class EdgeMesh:
                                    num_output, worker_id)
                     return
                 else:  # finished stays False: the abort is a no-op if the worker ended it, vital on a timeout
+                    if message.code != "bad_request":  # the client's fault, not the worker's
+                        self._report(worker_id, request_id, False, message.code if not num_output else "broken")
                     if not num_output and message.code in RETRYABLE:
                         raise _WorkerFailedEarly(self._stream_error(message), worker_id)
                     self._raise_stream_error(message, num_output)
@@ -259,6 +272,7 @@ class EdgeMesh:
                 message = await stream.next()
                 if isinstance(message, StreamEnd):
                     done = True
+                    self._report(worker_id, prefill_id, True)
                     if message.kv_transfer is None:
                         log.warning("prefill %s on %s ended %s without a KV handle: prefilling on the decoder",
                                     prefill_id, worker_id, message.finish_reason)
@@ -267,6 +281,7 @@ class EdgeMesh:
                     done = True
                     if message.code == "bad_request":
                         self._raise_stream_error(message, 0)
+                    self._report(worker_id, prefill_id, False, message.code)
                     log.warning("prefill %s failed on %s (%s: %s): prefilling on the decoder", prefill_id,
                                 worker_id, message.code, message.message)
                     return None
@@ -288,6 +303,11 @@ class EdgeMesh:
         if error.code == "bad_request":
             return errors.invalid_request(error.message)
         return errors.engine_failed(f"The engine failed: {error.message}")
+
+    def _report(self, worker_id: str, request_id: str, ok: bool, kind: str = "", ttft_ms: float = 0.0) -> None:
+        """How an attempt went on a worker, for the breaker (fire and forget: never delays the client)."""
+        self._spawn(self.bus.publish(self.bus.subjects.outcome(worker_id),
+                                     Outcome(worker_id, request_id, ok, kind, ttft_ms, time.time())))
 
     async def _abort(self, worker_id: str, request_id: str) -> None:
         try:

@@ -25,7 +25,8 @@ from services.router.config import RouterConfig
 from services.router.index import PrefixIndex
 from services.router.kv_sync import Action, KvSyncTracker
 from services.router.policy import KvAwarePolicy, LeastLoadedPolicy, Plan, RouteView
-from services.router.scoring import LoadView
+from services.router.scoring import SERVING_ROLES, LoadView
+from shared.breakers import BreakerView
 from shared.bus import Bus, BusError
 from shared.registry import WorkerDirectory
 from shared.schema import (KvEventBatch, KvReplayReply, KvReplayRequest, KvSnapshot, KvSnapshotRequest, LoadSnapshot,
@@ -51,7 +52,8 @@ class RouterService:
             KvAwarePolicy(self.index, config.routing()) if config.policy == "kv-aware"
             else LeastLoadedPolicy(config.min_remote_prefill_tokens))
         self.sessions = SessionStore(bus, config.session_idle_ttl_s) if config.affinity else None
-        self.open_breakers: frozenset[str] = frozenset()  # fed by the breaker service (issue 5)
+        self.breakers = BreakerView(bus)  # the breaker service's state: open and half-open workers get no traffic
+        self.open_breakers: frozenset[str] = frozenset()  # more workers to keep out (tests, operators)
         self.stats: Counter[str] = Counter()  # decisions, sticky, repins[:reason], replays, snapshots, ...
         self._syncs: dict[str, asyncio.Task[None]] = {}
         self._subs: list[object] = []
@@ -59,6 +61,7 @@ class RouterService:
     async def start(self) -> None:
         if self.sessions is not None:
             await self.sessions.start()
+        await self.breakers.start()
         self.directory.on_added.append(self._on_worker_added)
         self.directory.on_removed.append(self._on_worker_removed)
         await self.directory.start()
@@ -83,6 +86,7 @@ class RouterService:
             task.cancel()
         await asyncio.gather(*self._syncs.values(), return_exceptions=True)
         await self.directory.stop()
+        await self.breakers.stop()
 
     # ------------------------------------------------------------ workers and their KV streams
     def _on_worker_added(self, info: WorkerInfo) -> None:
@@ -222,12 +226,12 @@ class RouterService:
         await self.bus.respond(raw, self.policy.route(request, self.view(), bound).reply)
 
     def view(self) -> RouteView:
-        return RouteView(self.directory.live(), self.loads, time.time(), self.open_breakers)
+        return RouteView(self.directory.live(), self.loads, time.time(), self.open_breakers | self.breakers.blocked())
 
     async def decide(self, request: RouteRequest) -> Plan:
         """Route one request: the policy's plan, the session binding kept or moved, the load counted."""
-        plan = None
-        if request.session_id and self.sessions is not None:
+        plan = await self._probe(request)
+        if plan is None and request.session_id and self.sessions is not None:
             try:
                 plan = await self._decide_in_session(request, request.session_id, self.sessions)
             except Exception as exc:  # the sessions bucket is unreachable: route without affinity, never fail
@@ -243,6 +247,20 @@ class RouterService:
                 self.router_id, request.request_id, d.worker_id, plan.prefill_tokens, plan.prompt_tokens, ts,
                 d.prefill_worker_id))
         return plan
+
+    async def _probe(self, request: RouteRequest) -> Plan | None:
+        """Send this request as the probe of a half-open worker, if it can serve it and we win the permit."""
+        for worker_id in self.breakers.free_probes():
+            info = self.directory.workers.get(worker_id)
+            if (info is None or info.model != request.model or info.role not in SERVING_ROLES
+                    or worker_id in request.exclude_worker_ids):
+                continue
+            if await self.breakers.take_probe(worker_id, request.request_id):
+                self.stats["probes"] += 1
+                log.info("request %s probes half-open worker %s", request.request_id, worker_id)
+                return Plan(RouteDecision(worker_id), prefill_tokens=request.num_prompt_tokens,
+                            prompt_tokens=request.num_prompt_tokens)
+        return None
 
     async def _decide_in_session(self, request: RouteRequest, session_id: str, sessions: SessionStore) -> Plan:
         binding, revision = await sessions.get(session_id)

@@ -32,6 +32,7 @@ class WorkerConfig(BusConfig):
     sim_stream_interval: int = 1  # tokens per streamed message (coalescing)
     sim_kv_layout: str = "BLHNC"
     sim_host_kv_blocks: int = 0
+    sim_fail_rate: float = 0.0  # fault injection: this share of requests fail before their first token
     max_num_batched_tokens: int = 0  # per-step prompt-token budget (0: engine/profile default)
     max_num_seqs: int = 0
     num_engines: int = 1  # sim only: engines (workers <worker_id>-<i>) sharing this process
@@ -58,7 +59,7 @@ class WorkerConfig(BusConfig):
                 host_kv_blocks=self.sim_host_kv_blocks, max_num_batched_tokens=self.max_num_batched_tokens,
                 max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                 ttft_ms=self.sim_ttft_ms, itl_ms=self.sim_itl_ms,
-                prefill_us_per_token=self.sim_prefill_us_per_token,
+                prefill_us_per_token=self.sim_prefill_us_per_token, fail_rate=self.sim_fail_rate,
             )
         return dict(
             model=self.model, model_path=self.model_path, block_size=self.block_size,

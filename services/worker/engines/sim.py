@@ -16,6 +16,7 @@ the end. KV events come from the block pool after every step, exactly as it chan
 from __future__ import annotations
 
 import asyncio
+import random
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -25,6 +26,10 @@ from services.worker.engines.cost_model import CostModel, load_profile
 from services.worker.engines.scheduler import SimRequest
 from services.worker.engines.sim_worker import SimWorker, SimWorkerConfig, draw_token, token_rng
 from shared.schema import KvEvent, KvTransfer, SamplingParams
+
+
+class SimulatedFault(RuntimeError):
+    """A failure injected by ``fail_rate``: the worker reports it as an engine error."""
 
 
 @dataclass(slots=True)
@@ -47,8 +52,10 @@ class SimEngineConfig:
     ttft_ms: float = 20.0
     prefill_us_per_token: float = 0.0
     itl_ms: float = 10.0
+    fail_rate: float = 0.0  # fault injection (tests, breaker drills): requests that fail before any token
 
     def __post_init__(self) -> None:
+        assert 0.0 <= self.fail_rate <= 1.0
         assert self.block_size >= 0 and self.num_kv_blocks >= 0 and self.max_model_len > 0
         assert self.ttft_ms >= 0 and self.itl_ms >= 0 and self.prefill_us_per_token >= 0
         assert self.clock_factor > 0 and self.stream_interval >= 1
@@ -93,6 +100,7 @@ class SimEngine(Engine):
 
     def __init__(self, config: SimEngineConfig) -> None:
         self.config = config
+        self._faults = random.Random(f"faults/{config.worker_id}")
         c = config
         if c.profile:
             profile = load_profile(c.profile)
@@ -139,6 +147,8 @@ class SimEngine(Engine):
         if len(prompt_token_ids) + sampling.max_tokens > self.config.max_model_len:
             raise EngineRequestError(f"{len(prompt_token_ids)} prompt tokens + max_tokens {sampling.max_tokens} "
                                      f"exceed the model's context of {self.config.max_model_len} tokens")
+        if self.config.fail_rate and self._faults.random() < self.config.fail_rate:
+            raise SimulatedFault(f"injected failure of {request_id} (fail_rate {self.config.fail_rate})")
         stop_ids = frozenset() if sampling.ignore_eos else frozenset(sampling.stop_token_ids)
         request = SimRequest(request_id, list(prompt_token_ids), sampling.max_tokens, stop_ids, arrival_t=self.now(),
                              remote_kv=kv_transfer is not None, extra=(cache_salt,) if cache_salt else ())

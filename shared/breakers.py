@@ -1,0 +1,146 @@
+"""The breakers bucket, as every router and edge sees it: one ``BreakerRecord`` per worker, watched live.
+
+    breaker service --CAS put (transitions)--> <ns>_breakers[worker] <--CAS (probe permit)-- a router
+                                                   |
+                                   watched by every router and edge (BreakerView)
+
+Writes name the revision they replace, so the breaker service and the routers taking a probe
+permit never overwrite each other: of two routers taking one half-open period's permit, one wins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+from nats.js.api import KeyValueConfig
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from shared import schema
+from shared.bus import Bus
+from shared.schema import BreakerRecord
+
+log = logging.getLogger(__name__)
+CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+
+
+class RecordConflict(Exception):
+    """The record changed since the revision the writer read."""
+
+
+async def breakers_bucket(bus: Bus) -> KeyValue:
+    name = bus.subjects.breakers_bucket
+    try:
+        return await bus.js.key_value(name)
+    except BucketNotFoundError:
+        return await bus.js.create_key_value(KeyValueConfig(bucket=name, history=1))
+
+
+class BreakerView:
+    """worker id -> (BreakerRecord, revision), kept current by a watch on the bucket."""
+
+    def __init__(self, bus: Bus) -> None:
+        self._bus = bus
+        self._kv: KeyValue | None = None
+        self.records: dict[str, tuple[BreakerRecord, int]] = {}
+        self.on_change: list[Callable[[BreakerRecord], None]] = []
+        self._watcher = None
+        self._task: asyncio.Task[None] | None = None
+        self._synced = asyncio.Event()
+
+    async def start(self) -> None:
+        self._kv = await breakers_bucket(self._bus)
+        self._watcher = await self._kv.watchall()
+        self._task = asyncio.create_task(self._watch(), name="breakers-watch")
+        await asyncio.wait_for(self._synced.wait(), 5)
+
+    async def stop(self) -> None:
+        if self._watcher is not None:
+            try:
+                await self._watcher.stop()
+            except Exception:
+                pass
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait([self._task], timeout=2)
+
+    def blocked(self) -> frozenset[str]:
+        """Workers that take no normal traffic: open, or half-open (only their probe goes there)."""
+        return frozenset(w for w, (r, _) in self.records.items() if r.state != CLOSED)
+
+    def is_open(self, worker_id: str) -> bool:
+        entry = self.records.get(worker_id)
+        return entry is not None and entry[0].state == OPEN
+
+    def free_probes(self) -> list[str]:
+        """Half-open workers whose current permit nobody has taken."""
+        return sorted(w for w, (r, _) in self.records.items() if r.state == HALF_OPEN and not r.probe_request_id)
+
+    async def take_probe(self, worker_id: str, request_id: str) -> bool:
+        """Take the worker's half-open permit for ``request_id``: True for exactly one taker per period."""
+        entry = self.records.get(worker_id)
+        if entry is None or entry[0].state != HALF_OPEN or entry[0].probe_request_id:
+            return False
+        record, revision = entry
+        taken = BreakerRecord(record.worker_id, record.state, record.since, record.reason, record.period, request_id)
+        try:
+            await self.put(taken, revision)
+        except RecordConflict:
+            return False
+        return True
+
+    async def put(self, record: BreakerRecord, revision: int) -> int:
+        """Write ``record`` if the key is still at ``revision`` (0: absent). Raises RecordConflict."""
+        assert self._kv is not None
+        try:
+            if revision:
+                new = await self._kv.update(record.worker_id, schema.encode(record), last=revision)
+            else:
+                new = await self._kv.create(record.worker_id, schema.encode(record))
+        except KeyWrongLastSequenceError as exc:
+            raise RecordConflict(record.worker_id) from exc
+        self.records[record.worker_id] = (record, new)  # our own write, before the watch echoes it
+        return new
+
+    async def read(self, worker_id: str) -> tuple[BreakerRecord | None, int]:
+        assert self._kv is not None
+        try:
+            entry = await self._kv.get(worker_id)
+        except KeyNotFoundError:
+            return None, 0
+        return (schema.decode(entry.value, BreakerRecord) if entry.value else None), entry.revision or 0
+
+    async def _watch(self) -> None:
+        assert self._watcher is not None
+        while True:
+            try:
+                entry = await self._watcher.updates(timeout=3600)
+            except asyncio.TimeoutError:
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("breakers watch error: %s", exc)
+                await asyncio.sleep(0.2)
+                continue
+            if entry is None:
+                self._synced.set()
+                continue
+            if not hasattr(entry, "operation"):
+                return
+            if entry.operation in ("DEL", "PURGE") or not entry.value:
+                self.records.pop(entry.key, None)
+                continue
+            try:
+                record = schema.decode(entry.value, BreakerRecord)
+            except Exception:
+                log.warning("bad breaker record for %s", entry.key)
+                continue
+            current = self.records.get(record.worker_id)
+            if current is not None and current[1] >= (entry.revision or 0):
+                continue  # our own write, already applied
+            self.records[record.worker_id] = (record, entry.revision or 0)
+            for callback in self.on_change:
+                callback(record)
