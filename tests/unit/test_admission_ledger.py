@@ -1,0 +1,159 @@
+"""services/admission/ledger.py: lease accounting, limits, the queue and weighted fair share, on a fake clock."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from services.admission.ledger import BATCH, INTERACTIVE, Grant, Ledger, PoolLimits, Reject, TeamLimits, Wait
+
+
+def ledger(capacity: int = 100, teams: dict | None = None, ttl: float = 10.0, **pool) -> Ledger:
+    return Ledger(PoolLimits(capacity, **pool), teams or {}, lease_ttl_s=ttl)
+
+
+def ask(book: Ledger, ticket: str, tokens: int, team: str = "a", klass: str = INTERACTIVE, now: float = 0.0,
+        deadline: float = 30.0):
+    return book.acquire(now, ticket, team, klass, tokens, "edge-1", deadline)
+
+
+@pytest.mark.parametrize("held, request_tokens, kwargs, outcome", [
+    ([], 100, {}, Grant),  # exactly the capacity
+    ([], 101, {}, "too_large"),
+    ([60], 40, {}, Grant),
+    ([60], 41, {}, Wait),
+    ([], 10, dict(max_concurrency=1), Grant),
+    ([10], 10, dict(max_concurrency=1), Wait),  # the pool's concurrency, not its tokens
+    ([100], 1, dict(max_queue=0), "queue_full"),
+])
+def test_acquire_grants_queues_or_rejects(held, request_tokens, kwargs, outcome):
+    book = ledger(**kwargs)
+    for i, tokens in enumerate(held):
+        assert isinstance(ask(book, f"h{i}", tokens), Grant)
+    result = ask(book, "new", request_tokens)
+    if isinstance(outcome, str):
+        assert isinstance(result, Reject) and result.code == outcome
+    else:
+        assert isinstance(result, outcome)
+
+
+def test_release_returns_capacity_and_grants_the_waiter():
+    book = ledger()
+    ask(book, "l1", 70)
+    assert isinstance(ask(book, "w1", 50), Wait)
+    assert book.used_tokens == 70
+    grants = book.release("l1", 1.0)
+    assert [g.lease.lease_id for g in grants] == ["w1"] and book.used_tokens == 50
+    assert book.release("l1", 1.0) == [] and book.release("nope", 1.0) == []  # idempotent
+
+
+def test_a_lease_not_renewed_lapses_and_its_capacity_comes_back():
+    book = ledger(ttl=5.0)
+    ask(book, "l1", 60, now=0.0)
+    ask(book, "l2", 40, now=0.0)
+    assert book.renew("l2", 4.0).expires_at == 9.0
+    assert isinstance(ask(book, "w", 30, now=4.5), Wait)
+    grants, rejected = book.tick(5.0)  # l1 lapses at 5; l2 was renewed
+    assert set(book.leases) == {"l2", "w"} and [g.lease.lease_id for g in grants] == ["w"] and not rejected
+    assert book.renew("l1", 5.0) is None and book.used_tokens == 70
+
+
+def test_a_waiter_past_its_deadline_is_rejected_with_retry_after():
+    book = ledger()
+    ask(book, "l1", 100)
+    assert isinstance(ask(book, "w1", 10, deadline=2.0), Wait)
+    grants, rejected = book.tick(2.0)
+    assert grants == [] and [(w.ticket, r.code) for w, r in rejected] == [("w1", "queue_timeout")]
+    assert rejected[0][1].retry_after_s >= 1 and book.waiters == []
+
+
+@pytest.mark.parametrize("limits, asks, expected", [
+    (TeamLimits(max_concurrency=2), [10, 10, 10], [Grant, Grant, "concurrency_limit"]),
+    (TeamLimits(tokens_per_minute=50), [20, 20, 20], [Grant, Grant, "tokens_per_minute"]),
+    (TeamLimits(tokens_per_minute=50), [60], ["tokens_per_minute"]),  # can never fit a minute
+])
+def test_team_limits(limits, asks, expected):
+    book = ledger(teams={"a": limits})
+    for i, (tokens, outcome) in enumerate(zip(asks, expected)):
+        result = ask(book, f"r{i}", tokens, now=float(i))
+        if isinstance(outcome, str):
+            assert isinstance(result, Reject) and result.code == outcome
+        else:
+            assert isinstance(result, outcome)
+
+
+def test_tokens_per_minute_says_when_to_come_back():
+    book = ledger(teams={"a": TeamLimits(tokens_per_minute=50)})
+    ask(book, "r1", 30, now=0.0)
+    ask(book, "r2", 20, now=10.0)
+    result = ask(book, "r3", 25, now=20.0)
+    assert isinstance(result, Reject) and result.retry_after_s == pytest.approx(40.0)  # r1 leaves the window at 60
+    assert isinstance(ask(book, "r4", 25, now=60.0), Grant)
+
+
+def test_interactive_goes_before_batch_and_batch_only_takes_idle_capacity():
+    book = ledger(batch_share=0.8)
+    assert isinstance(ask(book, "b1", 80, klass=BATCH), Grant)
+    assert isinstance(ask(book, "b2", 10, klass=BATCH), Wait)  # past 80% of the pool
+    assert isinstance(ask(book, "i1", 20), Grant)  # interactive may use the rest
+    assert isinstance(ask(book, "i2", 30), Wait)
+    grants = book.release("b1", 1.0)
+    # the interactive waiter first, though it came later; then batch, into what is still idle
+    assert [g.lease.lease_id for g in grants] == ["i2", "b2"] and book.waiters == []
+
+
+def test_a_full_queue_drops_its_newest_batch_waiter_for_an_interactive_one():
+    book = ledger(max_queue=2)
+    ask(book, "hold", 100)
+    ask(book, "b1", 10, klass=BATCH)
+    ask(book, "b2", 10, klass=BATCH)
+    assert isinstance(ask(book, "b3", 10, klass=BATCH), Reject)
+    assert isinstance(ask(book, "i1", 10), Wait)
+    assert [w.ticket for w in book.bumped] == ["b2"] and [w.ticket for w in book.waiters] == ["b1", "i1"]
+
+
+def test_weighted_fair_share_holds_the_pool_2_to_1():
+    book = ledger(capacity=90, teams={"gold": TeamLimits(weight=2.0), "silver": TeamLimits(weight=1.0)})
+    served, n, now = Counter(), 0, 0.0
+    for team in ("gold", "silver"):  # both keep 30 requests waiting
+        for _ in range(30):
+            n += 1
+            ask(book, f"{team}-{n}", 10, team=team, deadline=1e9)
+    for _ in range(300):  # the oldest lease finishes, the next waiter is granted, its team asks again
+        now += 1.0
+        oldest = min(book.leases.values(), key=lambda lease: lease.expires_at)
+        for grant in book.release(oldest.lease_id, now):
+            served[grant.lease.team] += 1
+            n += 1
+            ask(book, f"{grant.lease.team}-{n}", 10, team=grant.lease.team, now=now, deadline=1e9)
+    assert served["gold"] / served["silver"] == pytest.approx(2.0, rel=0.1)
+    assert book.team_usage("gold")[1] == 2 * book.team_usage("silver")[1]
+
+
+def test_a_head_that_does_not_fit_blocks_its_class():
+    book = ledger()
+    ask(book, "hold", 90)
+    ask(book, "big", 50)
+    assert isinstance(ask(book, "small", 5), Wait)  # would fit, but must not pass the big one
+    assert book.release("hold", 1.0)[0].lease.lease_id == "big"
+
+
+def test_set_pool_and_restore():
+    book = ledger(capacity=50)
+    ask(book, "l1", 50)
+    assert isinstance(ask(book, "w", 40), Wait)
+    assert [g.lease.lease_id for g in book.set_pool(PoolLimits(100), 1.0)] == ["w"]  # a worker joined
+    fresh = ledger(capacity=100)
+    for lease in book.leases.values():
+        fresh.restore(lease)
+        fresh.restore(lease)  # twice: counted once
+    assert fresh.used_tokens == 90 and fresh.team_usage("a") == (2, 90)
+    assert isinstance(ask(fresh, "x", 11), Wait)  # a restarted ledger never over-admits
+
+
+def test_cancel_removes_a_waiter():
+    book = ledger()
+    ask(book, "hold", 100)
+    ask(book, "w", 10)
+    assert book.cancel("w") and not book.cancel("w") and book.release("hold", 1.0) == []
