@@ -2,12 +2,15 @@
 
 Used by tests (one trace provider sees every span) and by benchmarks that want the
 engine on the bus without HTTP. ``infermesh up`` runs the same services as processes.
+Edges ask for admission leases when the mesh runs an admission service (start it first).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.admission.config import AdmissionConfig
+from services.admission.service import AdmissionService
 from services.breaker.config import BreakerConfig
 from services.breaker.service import BreakerService
 from services.edge.config import EdgeConfig
@@ -29,6 +32,7 @@ class LocalMesh:
     workers: list[WorkerService] = field(default_factory=list)
     edges: list[EdgeService] = field(default_factory=list)
     breakers: list[BreakerService] = field(default_factory=list)
+    admissions: list[AdmissionService] = field(default_factory=list)
 
     @property
     def router(self) -> RouterService | None:
@@ -57,6 +61,13 @@ class LocalMesh:
         self.breakers.append(breaker)
         return breaker
 
+    async def start_admission(self, **options: object) -> AdmissionService:
+        config = AdmissionConfig(nats_url=self.nats_url, namespace=self.namespace, **options)  # type: ignore[arg-type]
+        admission = AdmissionService(await self._bus(f"admission-{len(self.admissions)}"), config)
+        await admission.start()
+        self.admissions.append(admission)
+        return admission
+
     async def start_worker(self, **options: object) -> WorkerService:
         config = WorkerConfig(nats_url=self.nats_url, namespace=self.namespace, **options)  # type: ignore[arg-type]
         worker = WorkerService(config, await self._bus(f"worker-{len(self.workers)}"))
@@ -65,6 +76,7 @@ class LocalMesh:
         return worker
 
     async def start_edge(self, **options: object) -> EdgeService:
+        options.setdefault("admission", bool(self.admissions))  # edges ask for leases when admission runs
         config = EdgeConfig(nats_url=self.nats_url, namespace=self.namespace, dev_key=self.dev_key,
                             http_port=0, **options)  # type: ignore[arg-type]
         edge = EdgeService(config, await self._bus(f"edge-{len(self.edges)}"))
@@ -82,6 +94,8 @@ class LocalMesh:
     async def stop(self) -> None:
         for edge in self.edges:
             await edge.stop()
+        for admission in self.admissions:
+            await admission.stop()
         for worker in self.workers:
             await worker.stop()
         for router in self.routers:

@@ -133,7 +133,8 @@ def _ready(url: str) -> dict[str, object] | None:
 
 
 def start_processes(group: ProcessGroup, options: MeshOptions, model_path: str, state: Path) -> str:
-    """Start NATS (unless options.nats_url), router, breaker, workers and edge in ``group``; returns the NATS URL."""
+    """Start NATS (unless options.nats_url), router, breaker, admission, workers and edge in ``group``;
+    returns the NATS URL."""
     nats_url = options.nats_url
     if not nats_url:
         port = free_port()
@@ -145,6 +146,7 @@ def start_processes(group: ProcessGroup, options: MeshOptions, model_path: str, 
     env = {"INFERMESH_NATS_URL": nats_url, "INFERMESH_NAMESPACE": options.namespace}
     group.python_service("router", "services.router", [], env)
     group.python_service("breaker", "services.breaker", [], env)
+    group.python_service("admission", "services.admission", [], env)
     for i, process in enumerate(worker_processes(options)):
         args = ["--worker-id", process.worker_id, "--engine", options.engine, "--model", options.model,
                 "--model-path", model_path, "--max-model-len", str(options.max_model_len)]

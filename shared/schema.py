@@ -99,6 +99,58 @@ class RouteRejected(Struct, frozen=True, tag="rejected"):
 RouteReply = RouteDecision | RouteRejected
 
 
+class LeaseRequest(Struct, frozen=True):
+    """Ask admission for a lease on a model pool's capacity (answered when granted, rejected or timed out)."""
+
+    ticket: str  # becomes the lease id when granted
+    team: str
+    klass: str  # interactive | batch
+    model: str
+    tokens: int  # KV the request may need: prompt + max_tokens
+    holder: str  # the edge
+    wait_s: float  # how long it may wait in the queue
+
+
+class LeaseGranted(Struct, frozen=True, tag="granted"):
+    lease_id: str
+    expires_in_s: float
+
+
+class LeaseRejected(Struct, frozen=True, tag="rejected"):
+    code: str  # too_large | concurrency_limit | tokens_per_minute | queue_full | queue_timeout | model_not_found
+    message: str
+    retry_after_s: float = 1.0
+
+
+LeaseReply = LeaseGranted | LeaseRejected
+
+
+class LeaseRenew(Struct, frozen=True):
+    """An edge renews every lease it holds in one message; the reply names those that lapsed."""
+
+    holder: str
+    lease_ids: list[str]
+
+
+class LeaseRenewReply(Struct, frozen=True):
+    unknown: list[str]
+
+
+class LeaseRelease(Struct, frozen=True):
+    lease_id: str
+
+
+class LeaseRecord(Struct, frozen=True):
+    """A granted lease in the leases bucket (per-key TTL): what a new admission leader rebuilds from."""
+
+    lease_id: str
+    team: str
+    klass: str
+    model: str
+    tokens: int
+    holder: str
+
+
 class Outcome(Struct, frozen=True):
     """How one attempt went on one worker, published by the edge for the breaker."""
 

@@ -15,6 +15,10 @@ tests - can share one NATS server without hearing each other.
     <ns>.router.decisions             publish        RouteDecisionEvent (replicas share pending load)
     <ns>.router.<id>.explain          request/reply  RouteRequest -> RouteReply, one replica, no side effects
     KV bucket <ns>_workers            key <id>       WorkerInfo, per-key TTL (lapses if heartbeats stop)
+    <ns>.admission.acquire            request/reply  LeaseRequest -> LeaseGranted | LeaseRejected (the leader)
+    <ns>.admission.renew              request/reply  LeaseRenew -> LeaseRenewReply
+    <ns>.admission.release            publish        LeaseRelease
+    KV bucket <ns>_leases             key <lease>    LeaseRecord, per-key TTL; key "leader": the admission leader
     <ns>.outcome.<id>                 publish        Outcome (edge -> breaker)
     <ns>.breaker.transitions          publish        BreakerTransition
     KV bucket <ns>_sessions           key s-<hash>   SessionBinding, per-key idle TTL, CAS writes
@@ -87,6 +91,18 @@ class Subjects:
     def kv_events_all(self) -> str:
         return f"{self.namespace}.kv.*"
 
+    @property
+    def admission_acquire(self) -> str:
+        return f"{self.namespace}.admission.acquire"
+
+    @property
+    def admission_renew(self) -> str:
+        return f"{self.namespace}.admission.renew"
+
+    @property
+    def admission_release(self) -> str:
+        return f"{self.namespace}.admission.release"
+
     def outcome(self, worker_id: str) -> str:
         return f"{self.namespace}.outcome.{worker_id}"
 
@@ -109,6 +125,10 @@ class Subjects:
     @property
     def workers_bucket(self) -> str:
         return f"{self.namespace}_workers"
+
+    @property
+    def leases_bucket(self) -> str:
+        return f"{self.namespace}_leases"
 
     @property
     def breakers_bucket(self) -> str:

@@ -12,19 +12,12 @@ from __future__ import annotations
 import hashlib
 import time
 
-from nats.js.api import KeyValueConfig
-from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
-
 from shared import schema
 from shared.bus import Bus
+from shared.kv_cas import CasConflict, cas_put, ensure_bucket, get_last
 from shared.schema import SessionBinding
 
-WRONG_LAST_SEQUENCE = 10071  # JetStream's error code for a failed expected-last-sequence check
-MARKER_TTL_S = 10
-
-
-class BindingConflict(Exception):
-    """Another replica wrote the binding first."""
+BindingConflict = CasConflict  # another replica wrote the binding first
 
 
 def session_key(session_id: str) -> str:
@@ -36,38 +29,19 @@ class SessionStore:
         assert idle_ttl_s >= 1
         self._bus = bus
         self._bucket = bus.subjects.sessions_bucket
-        self._stream = f"KV_{self._bucket}"
-        self._ttl = f"{int(idle_ttl_s)}s"
         self.idle_ttl_s = idle_ttl_s
 
     async def start(self) -> None:
-        try:
-            await self._bus.js.key_value(self._bucket)
-        except BucketNotFoundError:
-            await self._bus.js.create_key_value(KeyValueConfig(bucket=self._bucket, history=1,
-                                                               limit_marker_ttl=MARKER_TTL_S))
+        await ensure_bucket(self._bus, self._bucket)
 
     async def get(self, session_id: str) -> tuple[SessionBinding | None, int]:
         """The session's binding and its revision; (None, revision to replace) when unbound."""
-        try:
-            msg = await self._bus.js.get_last_msg(self._stream, f"$KV.{self._bucket}.{session_key(session_id)}")
-        except NotFoundError:
-            return None, 0
-        headers = msg.headers or {}
-        if not msg.data or headers.get("KV-Operation") in ("DEL", "PURGE") or "Nats-Marker-Reason" in headers:
-            return None, msg.seq or 0
-        return schema.decode(msg.data, SessionBinding), msg.seq or 0
+        data, revision = await get_last(self._bus, self._bucket, session_key(session_id))
+        return (schema.decode(data, SessionBinding) if data else None), revision
 
     async def put(self, binding: SessionBinding, revision: int) -> int:
         """Write ``binding`` if the key is still at ``revision``; its new revision. Raises BindingConflict."""
-        subject = f"$KV.{self._bucket}.{session_key(binding.session_id)}"
-        headers = {"Nats-Expected-Last-Subject-Sequence": str(revision), "Nats-TTL": self._ttl}
         stamped = SessionBinding(binding.session_id, binding.worker_id, binding.bound_at, binding.repins,
                                  binding.reason, time.time())
-        try:
-            ack = await self._bus.js.publish(subject, schema.encode(stamped), headers=headers)
-        except APIError as exc:
-            if exc.err_code == WRONG_LAST_SEQUENCE:
-                raise BindingConflict(binding.session_id) from exc
-            raise
-        return ack.seq
+        return await cas_put(self._bus, self._bucket, session_key(binding.session_id), schema.encode(stamped),
+                             revision, self.idle_ttl_s)

@@ -8,7 +8,7 @@ disconnects cancels the request (see http.py), which aborts the engine request.
 from __future__ import annotations
 
 import hmac
-from contextlib import nullcontext
+from contextlib import aclosing, nullcontext
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable
@@ -18,6 +18,7 @@ from opentelemetry import trace
 from opentelemetry.propagate import extract
 
 from services.edge import errors
+from services.edge.admission import CLASSES
 from services.edge.config import EdgeConfig
 from services.edge.http import HttpRequest, JsonReply, Reply, SseReply
 from services.edge.mesh import EdgeMesh, Finished, RouteHints, StreamBroken
@@ -139,7 +140,21 @@ class EdgeApi:
             span.set_attributes({"infermesh.request_id": request_id, "gen_ai.request.model": model,
                                  "infermesh.num_prompt_tokens": len(prompt_ids), "infermesh.stream": stream})
         hints = RouteHints(self._session_id(request, body), body.cache_salt)
+        klass = self._request_class(request)
+        admission = self.mesh.admission
+        lease_id = None
+        if admission is not None:  # no lease, no request: 429 / 503 before anything is routed
+            try:
+                lease_id = await admission.acquire(self.authenticate(request.headers.get("authorization")), klass,
+                                                   model, len(prompt_ids) + params.max_tokens,
+                                                   self.config.admission_wait_s)
+            except errors.ApiError as exc:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
+                span.end()
+                raise
         events = self.mesh.generate(request_id, model, prompt_ids, params, tokenizer, sampling.stop, hints)
+        if lease_id is not None:
+            events = _holding(events, admission.release, lease_id)  # type: ignore[union-attr]
         try:
             with trace.use_span(span, end_on_exit=False) if span.is_recording() else nullcontext():
                 first = await events.__anext__()
@@ -154,6 +169,13 @@ class EdgeApi:
         if stream:
             return SseReply(self._sse_body(first, events, shape, include_usage, span))
         return await self._complete(first, events, shape, span)
+
+    @staticmethod
+    def _request_class(request: HttpRequest) -> str:
+        klass = request.headers.get("x-request-class", "interactive")
+        if klass not in CLASSES:
+            raise errors.invalid_request(f"X-Request-Class must be one of {', '.join(CLASSES)}.", "X-Request-Class")
+        return klass
 
     def _session_id(self, request: HttpRequest, body: Any) -> str | None:
         """The session the request belongs to: ``X-Session-Id``, else ``user`` when so configured."""
@@ -200,6 +222,17 @@ class EdgeApi:
             await events.aclose()
             span.end()
         yield head + tail + b"data: [DONE]\n\n"
+
+
+async def _holding(events: AsyncIterator[str | Finished], release: Callable[[str], None],
+                   lease_id: str) -> AsyncIterator[str | Finished]:
+    """The request's events, its lease released when they end: finished, failed, or the client left."""
+    try:
+        async with aclosing(events) as inner:  # type: ignore[type-var]
+            async for item in inner:
+                yield item
+    finally:
+        release(lease_id)
 
 
 def _record(span: trace.Span, done: Finished) -> None:

@@ -19,7 +19,9 @@ class EdgeConfig(BusConfig):
     inter_token_timeout_s: float = 60.0
     abort_drain_timeout_s: float = 1.0
     route_block_size: int = 16  # block size of the prompt hashes sent to the router (the router's; 0: none)
-    session_from_user: bool = False  # no X-Session-Id header: use the body's ``user`` field as the session id
+    session_from_user: bool = False
+    admission: bool = True  # no lease, no request (needs an admission service; tests may run without)
+    admission_wait_s: float = 10.0  # how long a request may wait in admission's queue before a 429  # no X-Session-Id header: use the body's ``user`` field as the session id
 
     def __post_init__(self) -> None:
         assert 0 < self.http_port < 65536 or self.http_port == 0, "http_port out of range"

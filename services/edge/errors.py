@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
@@ -56,3 +57,8 @@ def service_unavailable(message: str, code: str = "service_unavailable", retry_a
 
 def engine_failed(message: str) -> ApiError:
     return ApiError(502, message, "server_error", None, "engine_error")
+
+
+def rate_limited(message: str, retry_after_s: float, code: str = "rate_limit_exceeded") -> ApiError:
+    """429 in OpenAI's shape, with a whole-second Retry-After (at least 1)."""
+    return ApiError(429, message, "requests", None, code, {"Retry-After": str(max(1, math.ceil(retry_after_s)))})

@@ -17,6 +17,7 @@ from typing import AsyncIterator
 import msgspec
 
 from services.edge import errors
+from services.edge.admission import AdmissionClient
 from services.edge.config import EdgeConfig
 from services.edge.text import IncrementalDetokenizer, StopStringMatcher
 from services.edge.tokenizer import ModelTokenizer
@@ -76,6 +77,7 @@ class EdgeMesh:
         self.directory = WorkerDirectory(bus)
         self.receiver = StreamReceiver(bus, edge_id)
         self.breakers = BreakerView(bus)
+        self.admission = AdmissionClient(bus, edge_id) if config.admission else None
         self._tokenizers: dict[str, ModelTokenizer] = {}
         self._loading: dict[str, asyncio.Task[ModelTokenizer]] = {}
         self._background: set[asyncio.Task[None]] = set()
@@ -85,12 +87,16 @@ class EdgeMesh:
         self.directory.on_removed.append(self._on_worker_removed)
         await self.receiver.start()
         await self.breakers.start()
+        if self.admission is not None:
+            await self.admission.start()
         await self.directory.start()
         for info in self.directory.live():
             self._on_worker_added(info)
 
     async def stop(self) -> None:
         await self.receiver.stop()
+        if self.admission is not None:
+            await self.admission.stop()
         await self.breakers.stop()
         await self.directory.stop()
 

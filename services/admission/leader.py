@@ -1,0 +1,94 @@
+"""Leader election on a KV key: one admission replica at a time serves leases.
+
+The leader holds key ``leader`` in the leases bucket, written with CAS and a per-key TTL and
+renewed every TTL/3. A replica that finds the key absent (never written, or expired: its holder
+died or stalled) creates it with CAS; of several, one wins. A leader whose renewal fails, or that
+has not renewed for TTL - one renewal period, steps down before anyone else can have taken over
+(the key it held cannot have expired yet), so two replicas never serve at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from shared.bus import Bus
+from shared.kv_cas import CasConflict, cas_put, get_last
+
+log = logging.getLogger("infermesh.admission")
+LEADER_KEY = "leader"
+
+
+class Leadership:
+    def __init__(self, bus: Bus, bucket: str, candidate_id: str, ttl_s: float,
+                 on_elected: Callable[[], Awaitable[None]], on_deposed: Callable[[], Awaitable[None]]) -> None:
+        self._bus, self._bucket, self.candidate_id, self.ttl_s = bus, bucket, candidate_id, ttl_s
+        self._on_elected, self._on_deposed = on_elected, on_deposed
+        self.is_leader = False
+        self._revision = 0
+        self._renewed_at = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="admission-leadership")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self.is_leader:
+            await self._step_down("stopping")
+            try:  # hand over at once instead of after the TTL
+                kv = await self._bus.js.key_value(self._bucket)
+                await kv.delete(LEADER_KEY, last=self._revision)
+            except Exception as exc:
+                log.warning("could not release the leader key: %s", exc)
+
+    def still_leader(self) -> bool:
+        """True while our key cannot have expired (checked before every grant)."""
+        return self.is_leader and time.monotonic() - self._renewed_at < self.ttl_s * 2 / 3
+
+    async def _loop(self) -> None:
+        period = self.ttl_s / 3
+        while True:
+            try:
+                if self.is_leader:
+                    await self._renew()
+                else:
+                    await self._campaign()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("leadership of %s: %s", self.candidate_id, exc)
+                if self.is_leader and not self.still_leader():
+                    await self._step_down(f"could not renew: {exc}")
+            await asyncio.sleep(period)
+
+    async def _campaign(self) -> None:
+        holder, revision = await get_last(self._bus, self._bucket, LEADER_KEY)
+        if holder is not None:
+            return  # someone leads
+        try:
+            self._revision = await cas_put(self._bus, self._bucket, LEADER_KEY, self.candidate_id.encode(), revision,
+                                           self.ttl_s)
+        except CasConflict:
+            return
+        self._renewed_at = time.monotonic()
+        self.is_leader = True
+        log.info("admission %s is the leader", self.candidate_id)
+        await self._on_elected()
+
+    async def _renew(self) -> None:
+        try:
+            self._revision = await cas_put(self._bus, self._bucket, LEADER_KEY, self.candidate_id.encode(),
+                                           self._revision, self.ttl_s)
+            self._renewed_at = time.monotonic()
+        except CasConflict:
+            await self._step_down("another replica holds the key")
+
+    async def _step_down(self, why: str) -> None:
+        self.is_leader = False
+        log.warning("admission %s steps down: %s", self.candidate_id, why)
+        await self._on_deposed()

@@ -1,0 +1,85 @@
+"""The edge's side of admission: a lease before a request is routed, renewed while it runs, released after.
+
+One renewal message per edge renews every lease it holds (every TTL/3); if the edge dies its
+leases stop being renewed and lapse, so their capacity comes back within the TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from services.edge import errors
+from shared.bus import Bus, BusError
+from shared.schema import LeaseGranted, LeaseRelease, LeaseRenew, LeaseRenewReply, LeaseReply, LeaseRequest
+
+log = logging.getLogger("infermesh.edge")
+CLASSES = ("interactive", "batch")
+RATE_LIMITED = ("concurrency_limit", "tokens_per_minute", "queue_full", "queue_timeout")
+
+
+class AdmissionClient:
+    def __init__(self, bus: Bus, edge_id: str) -> None:
+        self.bus, self.edge_id = bus, edge_id
+        self.held: set[str] = set()
+        self.ttl_s = 10.0
+        self._renewer: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._renewer = asyncio.create_task(self._renew_loop(), name="lease-renewal")
+
+    async def stop(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+        for lease_id in list(self.held):  # a clean stop gives the capacity back at once
+            await self.bus.publish(self.bus.subjects.admission_release, LeaseRelease(lease_id))
+        self.held.clear()
+
+    async def acquire(self, team: str, klass: str, model: str, tokens: int, wait_s: float) -> str:
+        """A lease id, or an ApiError: 429 (limits, queue), 400 (can never fit), 503 (no worker, no admission)."""
+        for _ in range(3):
+            request = LeaseRequest(uuid.uuid4().hex, team, klass, model, tokens, self.edge_id, wait_s)
+            try:
+                reply = await self.bus.request(self.bus.subjects.admission_acquire, request, LeaseReply,
+                                               timeout=wait_s + 2.0)
+            except BusError as exc:
+                raise errors.service_unavailable(f"admission is unavailable: {exc}", "admission_unavailable") from exc
+            if isinstance(reply, LeaseGranted):
+                self.ttl_s = reply.expires_in_s
+                self.held.add(reply.lease_id)
+                return reply.lease_id
+            if reply.code == "admission_moved":  # a new leader is taking over: ask it
+                await asyncio.sleep(reply.retry_after_s)
+                continue
+            if reply.code in RATE_LIMITED:
+                raise errors.rate_limited(f"Rate limit reached: {reply.message}", reply.retry_after_s)
+            if reply.code == "too_large":
+                raise errors.invalid_request(f"The request cannot fit this model's capacity: {reply.message}",
+                                             "max_tokens")
+            raise errors.service_unavailable(reply.message, reply.code)
+        raise errors.service_unavailable("admission is changing leader", "admission_unavailable")
+
+    def release(self, lease_id: str) -> None:
+        if lease_id in self.held:
+            self.held.discard(lease_id)
+            task = asyncio.get_running_loop().create_task(
+                self.bus.publish(self.bus.subjects.admission_release, LeaseRelease(lease_id)))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _renew_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl_s / 3)
+            if not self.held:
+                continue
+            try:
+                reply = await self.bus.request(self.bus.subjects.admission_renew,
+                                               LeaseRenew(self.edge_id, list(self.held)), LeaseRenewReply, timeout=2.0)
+            except Exception as exc:  # admission away for a moment: try again next period
+                log.warning("lease renewal failed: %s", exc)
+                continue
+            for lease_id in reply.unknown:  # lapsed (admission lost it): the request runs on, unaccounted
+                log.warning("lease %s lapsed before its request ended", lease_id)
+                self.held.discard(lease_id)

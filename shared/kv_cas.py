@@ -1,0 +1,56 @@
+"""Compare-and-set on JetStream KV keys, with an optional per-key TTL (nats-py's ``update`` takes none).
+
+    data, revision = await get_last(bus, bucket, key)       # (None, r) when absent, deleted or expired
+    revision = await cas_put(bus, bucket, key, data, revision, ttl_s=600)   # CasConflict if it moved
+
+A write names the revision it replaces (``Nats-Expected-Last-Subject-Sequence``; 0 for a key never
+written, else the revision of its delete or expiry marker), so of two writers exactly one wins.
+The bucket must allow per-message TTLs (``limit_marker_ttl``) when ``ttl_s`` is given.
+"""
+
+from __future__ import annotations
+
+import math
+
+from nats.js.api import KeyValueConfig
+from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
+
+from shared.bus import Bus
+
+WRONG_LAST_SEQUENCE = 10071  # JetStream's error code for a failed expected-last-sequence check
+MARKER_TTL_S = 10
+
+
+class CasConflict(Exception):
+    """Another writer moved the key first."""
+
+
+async def ensure_bucket(bus: Bus, bucket: str) -> None:
+    try:
+        await bus.js.key_value(bucket)
+    except BucketNotFoundError:
+        await bus.js.create_key_value(KeyValueConfig(bucket=bucket, history=1, limit_marker_ttl=MARKER_TTL_S))
+
+
+async def get_last(bus: Bus, bucket: str, key: str) -> tuple[bytes | None, int]:
+    try:
+        msg = await bus.js.get_last_msg(f"KV_{bucket}", f"$KV.{bucket}.{key}")
+    except NotFoundError:
+        return None, 0
+    headers = msg.headers or {}
+    if not msg.data or headers.get("KV-Operation") in ("DEL", "PURGE") or "Nats-Marker-Reason" in headers:
+        return None, msg.seq or 0
+    return msg.data, msg.seq or 0
+
+
+async def cas_put(bus: Bus, bucket: str, key: str, data: bytes, revision: int, ttl_s: float | None = None) -> int:
+    headers = {"Nats-Expected-Last-Subject-Sequence": str(revision)}
+    if ttl_s is not None:
+        headers["Nats-TTL"] = f"{max(1, math.ceil(ttl_s))}s"
+    try:
+        ack = await bus.js.publish(f"$KV.{bucket}.{key}", data, headers=headers)
+    except APIError as exc:
+        if exc.err_code == WRONG_LAST_SEQUENCE:
+            raise CasConflict(key) from exc
+        raise
+    return ack.seq
