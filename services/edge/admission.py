@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 
 from services.edge import errors
@@ -17,6 +18,7 @@ from shared.schema import LeaseGranted, LeaseRelease, LeaseRenew, LeaseRenewRepl
 log = logging.getLogger("infermesh.edge")
 CLASSES = ("interactive", "batch")
 RATE_LIMITED = ("concurrency_limit", "tokens_per_minute", "queue_full", "queue_timeout")
+FAILOVER_S = 5.0  # how long an acquire keeps asking while no admission leader answers (leader TTL 3 s)
 
 
 class AdmissionClient:
@@ -39,19 +41,25 @@ class AdmissionClient:
 
     async def acquire(self, team: str, klass: str, model: str, tokens: int, wait_s: float) -> str:
         """A lease id, or an ApiError: 429 (limits, queue), 400 (can never fit), 503 (no worker, no admission)."""
-        for _ in range(3):
-            request = LeaseRequest(uuid.uuid4().hex, team, klass, model, tokens, self.edge_id, wait_s)
+        deadline = time.monotonic() + max(wait_s, FAILOVER_S)
+        while True:
+            request = LeaseRequest(uuid.uuid4().hex, team, klass, model, tokens, self.edge_id,
+                                   max(0.0, min(wait_s, deadline - time.monotonic())))
             try:
                 reply = await self.bus.request(self.bus.subjects.admission_acquire, request, LeaseReply,
                                                timeout=wait_s + 2.0)
-            except BusError as exc:
-                raise errors.service_unavailable(f"admission is unavailable: {exc}", "admission_unavailable") from exc
+            except BusError as exc:  # no leader right now (failing over): ask again until the deadline
+                if time.monotonic() + 0.25 > deadline:
+                    raise errors.service_unavailable(f"admission is unavailable: {exc}",
+                                                     "admission_unavailable") from exc
+                await asyncio.sleep(0.25)
+                continue
             if isinstance(reply, LeaseGranted):
                 self.ttl_s = reply.expires_in_s
                 self.held.add(reply.lease_id)
                 return reply.lease_id
-            if reply.code == "admission_moved":  # a new leader is taking over: ask it
-                await asyncio.sleep(reply.retry_after_s)
+            if reply.code == "admission_moved" and time.monotonic() + reply.retry_after_s < deadline:
+                await asyncio.sleep(reply.retry_after_s)  # a new leader is taking over: ask it
                 continue
             if reply.code in RATE_LIMITED:
                 raise errors.rate_limited(f"Rate limit reached: {reply.message}", reply.retry_after_s)
@@ -59,7 +67,6 @@ class AdmissionClient:
                 raise errors.invalid_request(f"The request cannot fit this model's capacity: {reply.message}",
                                              "max_tokens")
             raise errors.service_unavailable(reply.message, reply.code)
-        raise errors.service_unavailable("admission is changing leader", "admission_unavailable")
 
     def release(self, lease_id: str) -> None:
         if lease_id in self.held:

@@ -53,6 +53,7 @@ class EdgeApi:
         self.config = config
         self.mesh = mesh
         self._keys = {config.dev_key: "default"} if config.dev_key else {}
+        self._keys.update(config.team_keys())
 
     # ------------------------------------------------------------ auth
     def authenticate(self, authorization: str | None) -> str:

@@ -177,3 +177,63 @@ async def test_a_new_leader_under_load_never_admits_more_than_capacity(nats_url,
         assert mesh.admissions[0].leadership.is_leader and mesh.admissions[0].stats["restored"] >= 1  # the held leases came back
     finally:
         await mesh.stop()
+
+
+async def test_a_crashed_leader_is_replaced_and_capacity_still_holds(nats_url, namespace, tiny_model):
+    """The leader is SIGKILLed under load: its key lapses (1 s), the standby restores the held leases."""
+    from shared.kv_cas import get_last
+
+    mesh = LocalMesh(nats_url, namespace, dev_key=KEY)
+    await mesh.start_router()
+    for i in range(2):
+        await mesh.start_worker(worker_id=f"sim-{i}", engine="sim", model="tiny", model_path=str(tiny_model),
+                                max_model_len=4096, block_size=BS, num_kv_blocks=2048, sim_ttft_ms=2, sim_itl_ms=5)
+    env = {**os.environ, "INFERMESH_NATS_URL": nats_url, "INFERMESH_NAMESPACE": namespace}
+    replicas = {rid: subprocess.Popen([sys.executable, "-m", "services.admission", "--admission-id", rid,
+                                       "--concurrency-per-worker", "3", "--lease-ttl-s", "3", "--leader-ttl-s", "1"],
+                                      env=env) for rid in ("adm-a", "adm-b")}
+    edge = await mesh.start_edge(admission=True, admission_wait_s=2.0)
+    bus = edge.mesh.bus
+    peak, outcomes = 0, []
+
+    async def leader() -> str | None:
+        data, _ = await get_last(bus, bus.subjects.leases_bucket, "leader")
+        return data.decode() if data else None
+
+    async def watch_workers() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, sum(w.load_snapshot().num_running for w in mesh.workers))
+            await asyncio.sleep(0.002)
+
+    try:
+        await eventually(edge.mesh.is_ready, 10)
+        await eventually(leader, 20, 0.1)
+        client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key=KEY, max_retries=0, timeout=30)
+
+        async def agent(n: int) -> None:
+            for i in range(10):
+                try:
+                    await client.completions.create(model="tiny", prompt=[5, n, i], max_tokens=20,
+                                                    extra_body={"ignore_eos": True})
+                    outcomes.append("ok")
+                except openai.APIStatusError as exc:
+                    outcomes.append(str(exc.status_code))
+
+        watcher = asyncio.create_task(watch_workers())
+        load = asyncio.gather(*(agent(n) for n in range(12)))
+        await asyncio.sleep(0.5)
+        doomed = await leader()
+        replicas[doomed].send_signal(signal.SIGKILL)
+        await asyncio.wait_for(load, 60)  # no request hangs
+        watcher.cancel()
+        survivor = await leader()
+        assert survivor is not None and survivor != doomed
+        assert len(outcomes) == 120 and set(outcomes) <= {"ok", "429"}, outcomes  # the edge waits out the failover
+        assert peak <= 2 * 3, peak
+    finally:
+        await mesh.stop()
+        for proc in replicas.values():
+            if proc.poll() is None:
+                proc.terminate()
+            proc.wait(10)
