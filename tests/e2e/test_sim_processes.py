@@ -128,3 +128,34 @@ async def test_killing_a_sessions_decoder_repins_the_next_turn_with_no_client_er
                 proc.terminate()
                 proc.wait(10)
         await mesh.stop()
+
+
+async def test_a_worker_dying_before_the_first_token_costs_one_retry_and_usage_once(nats_url, namespace, tiny_model):
+    mesh = LocalMesh(nats_url, namespace)
+    await mesh.start_router()
+    admission = await mesh.start_admission()
+    edge = await mesh.start_edge()
+    env = {**os.environ, "INFERMESH_NATS_URL": nats_url, "INFERMESH_NAMESPACE": namespace}
+    slow = subprocess.Popen([sys.executable, "-m", "services.worker", "--worker-id", "sim-slow", "--engine", "sim",
+                             "--model", "tiny", "--model-path", str(tiny_model), "--sim-ttft-ms", "4000"], env=env)
+    procs = {"sim-slow": slow}
+    try:
+        await eventually(lambda: edge.mesh.is_ready() and len(mesh.router.directory.live()) == 1, 30)
+        client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key=mesh.dev_key, max_retries=0)
+        request = asyncio.create_task(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=7))
+        await eventually(lambda: any(s.worker_id == "sim-slow" for s in edge.mesh.receiver._streams.values()), 5)
+        procs.update(sim_worker_processes(nats_url, namespace, tiny_model, ("sim-fast",), ttl_s=5, itl_ms=2))
+        await eventually(lambda: len(mesh.router.directory.live()) == 2, 30)
+        slow.send_signal(signal.SIGKILL)  # before its first token
+        reply = await asyncio.wait_for(request, 20)
+        assert reply.choices[0].finish_reason == "length"
+        assert reply.usage.completion_tokens == 7  # the answer's tokens, once: the dead attempt produced none
+        assert reply.usage.prompt_tokens == len(edge.mesh._tokenizers[str(tiny_model)].apply_chat_template(MESSAGES))
+        assert admission.stats["granted"] == 1  # one lease for the request, retry included
+        await eventually(lambda: admission.stats["released"] == 1, 2)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+            proc.wait(10)
+        await mesh.stop()
