@@ -31,6 +31,7 @@ class WorkerInfo(Struct, frozen=True):
     tokenizer: str  # path or hub-free identifier the edge loads the tokenizer from
     kv_dtype: str = "auto"
     kv_layout: str = "LBHNC"
+    max_num_seqs: int = 0  # requests the engine runs at once (0: unknown)
     heartbeat_ttl_s: float = 5.0
     started_at: float = 0.0
     ts: float = 0.0

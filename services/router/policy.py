@@ -92,14 +92,16 @@ class KvAwarePolicy:
         by_id = {w.worker_id: w for w in candidates}
 
         reason = None
-        if bound is not None:
+        if bound is not None:  # a bound session may wait for its full worker: its cache is worth more
             worker = next((w for w in view.workers if w.worker_id == bound), None)
             reason = repin_reason(
                 bound, live={w.worker_id for w in view.workers}, eligible=by_id, open_breakers=view.open_breakers,
                 excluded=request.exclude_worker_ids,
                 kv_usage=view.loads.kv_usage(worker) if worker else 0.0,
                 queued_prefill_tokens=view.loads.prefill_tokens(bound), limits=self.config.affinity)
-        costs = self._costs(candidates, num_prompt_blocks, matches, view.loads)
+        # a new placement starts now rather than queue behind a worker running all it can
+        placeable = scoring.apply_filters(candidates, [scoring.has_room(view.loads)]) or candidates
+        costs = self._costs(placeable, num_prompt_blocks, matches, view.loads)
         if bound is not None and reason is None:
             chosen, sticky = bound, True
         else:

@@ -145,6 +145,12 @@ def kv_compatible(peer: WorkerInfo) -> Filter:
     return lambda w: (w.block_size, w.kv_dtype, w.kv_layout) == (peer.block_size, peer.kv_dtype, peer.kv_layout)
 
 
+def has_room(loads: "LoadView") -> Filter:
+    """The worker runs fewer requests than it can at once (counting those routed since its snapshot):
+    one more starts now instead of waiting in its queue. Unknown capacity counts as room."""
+    return lambda w: not w.max_num_seqs or loads.num_requests(w.worker_id) < w.max_num_seqs
+
+
 def apply_filters(workers: list[WorkerInfo], filters: list[Filter]) -> list[WorkerInfo]:
     for keep in filters:  # one pass per filter: cheaper than all() over a generator per worker
         workers = [w for w in workers if keep(w)]

@@ -87,7 +87,8 @@ class WorkerService:
         return WorkerInfo(
             worker_id=self.worker_id, role=self.config.role, model=sp.model, engine=self.engine.name,  # type: ignore[arg-type]
             block_size=sp.block_size, num_kv_blocks=sp.num_kv_blocks, max_model_len=sp.max_model_len,
-            tokenizer=sp.tokenizer, kv_dtype=sp.kv_dtype, heartbeat_ttl_s=self.config.heartbeat_ttl_s,
+            tokenizer=sp.tokenizer, kv_dtype=sp.kv_dtype, max_num_seqs=sp.max_num_seqs,
+            heartbeat_ttl_s=self.config.heartbeat_ttl_s,
             started_at=self._started_at, ts=time.time(),
         )
 

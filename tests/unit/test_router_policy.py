@@ -248,3 +248,32 @@ def test_least_loaded_ties_spread_over_request_ids():
     plans = [LeastLoadedPolicy().route(request(rid=f"r{i}"), RouteView(ws, LoadView(), NOW)) for i in range(400)]
     assert set(Counter(p.reply.worker_id for p in plans)) == {f"d{i}" for i in range(4)}
     assert set(Counter(p.reply.prefill_worker_id for p in plans)) == {f"p{i}" for i in range(4)}
+
+
+def full_worker(worker_id: str, seqs: int) -> WorkerInfo:
+    return WorkerInfo(worker_id=worker_id, role="both", model="m", engine="sim", block_size=BS, num_kv_blocks=1000,
+                      max_model_len=100_000, tokenizer="", max_num_seqs=seqs, ts=NOW)
+
+
+@pytest.mark.parametrize("running, session, chosen", [
+    (2, False, "b"),  # a at its 2 seqs: a new placement goes where it starts now, cache or not
+    (1, False, "a"),  # room on a: its cache wins
+    (2, True, "a"),  # a bound session waits for its full worker (its cache is worth more)
+])
+def test_a_worker_running_all_it_can_gets_no_new_placements(running, session, chosen):
+    ws = [full_worker("a", 2), full_worker("b", 2)]
+    policy = setup(*ws)[0]
+    prompt = tokens(12 * BS)
+    cached(policy.index, "a", prompt)
+    plan = route(policy, ws, request(prompt, session="s" if session else None), loads(snap("a", running=running)),
+                 bound="a" if session else None)
+    assert plan.reply.worker_id == chosen
+
+
+def test_when_every_worker_is_full_the_cost_still_decides():
+    ws = [full_worker("a", 1), full_worker("b", 1)]
+    policy = setup(*ws)[0]
+    prompt = tokens(12 * BS)
+    cached(policy.index, "b", prompt)
+    plan = route(policy, ws, request(prompt), loads(snap("a", running=1), snap("b", running=1)))
+    assert plan.reply.worker_id == "b"

@@ -324,3 +324,20 @@ def test_softmax_at_low_temperature_is_nearly_argmin():
 def test_zero_or_negative_temperature_is_argmin():
     costs = {"a": 1.0, "b": 2.0}
     assert {pick(costs, key, t) for key in KEYS[:100] for t in (0.0, -1.0)} == {"a"}
+
+
+@pytest.mark.parametrize("max_num_seqs, running, routed, room", [
+    (0, 50, 0, True),  # capacity unknown: room
+    (4, 3, 0, True),
+    (4, 4, 0, False),
+    (4, 3, 1, False),  # one routed since the snapshot fills it
+])
+def test_has_room(max_num_seqs, running, routed, room):
+    from services.router.scoring import has_room
+
+    loads = LoadView()
+    loads.observe(LoadSnapshot("w", 1, 1.0, running, 0, 0, 100))
+    for _ in range(routed):
+        loads.routed("w")
+    w = WorkerInfo("w", "both", "m", "sim", 16, 100, 1000, "", max_num_seqs=max_num_seqs)
+    assert has_room(loads)(w) is room

@@ -33,6 +33,7 @@ class EngineSpec:
     num_kv_blocks: int
     max_model_len: int
     kv_dtype: str = "auto"
+    max_num_seqs: int = 0  # requests it runs at once; more wait in its queue (0: unknown)
 
 
 @dataclass(slots=True)

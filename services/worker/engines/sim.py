@@ -129,7 +129,7 @@ class SimEngine(Engine):
         self._runner = asyncio.create_task(self._run(), name=f"sim-{self.config.worker_id}")
         wc = self.worker.config
         return EngineSpec(self.config.model, self.config.tokenizer, wc.block_size, wc.num_kv_blocks,
-                          self.config.max_model_len, self.config.kv_dtype)
+                          self.config.max_model_len, self.config.kv_dtype, wc.max_num_seqs)
 
     async def stop(self) -> None:
         if self._runner is not None:

@@ -83,6 +83,7 @@ class VllmEngine(Engine):
         return EngineSpec(
             model=c.model, tokenizer=c.model_path, block_size=self._block_size, num_kv_blocks=self._num_kv_blocks,
             max_model_len=int(vllm_config.model_config.max_model_len), kv_dtype=c.kv_cache_dtype,
+            max_num_seqs=int(vllm_config.scheduler_config.max_num_seqs or 0),
         )
 
     async def stop(self) -> None:
