@@ -25,6 +25,7 @@ import json
 import os
 import random
 import re
+import sys
 import tempfile
 import threading
 import time
@@ -161,21 +162,28 @@ async def run_phases(args: argparse.Namespace, port: int, with_baseline: bool) -
     return out
 
 
+def rewrite(out: Path) -> None:
+    """Re-render the markdown and PNG from a report's JSON."""
+    report = json.loads((out / "overload.json").read_text())
+    write(out, report, report["command"].split()[3:])
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--concurrency-per-worker", type=int, default=8)
     p.add_argument("--profile", default="h200-glm53")
     p.add_argument("--factor", type=float, default=5.0)
-    p.add_argument("--seconds", type=float, default=30.0)
+    p.add_argument("--seconds", type=float, default=30.0)  # of offered load
     p.add_argument("--weights", default="gold:2,silver:1")
-    p.add_argument("--queue-wait-s", type=float, default=0.05)
+    p.add_argument("--queue-wait-s", type=float, default=0.1)
     p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--stream-interval", type=int, default=4)
-    p.add_argument("--baseline-requests", type=int, default=40)
+    p.add_argument("--baseline-requests", type=int, default=80)
     p.add_argument("--control", action="store_true", help="also run the same arrivals without admission")
     p.add_argument("--out", default="")
+    argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     report: dict = {"args": vars(args)}
     with tempfile.TemporaryDirectory(prefix="overload-") as tmp:
@@ -226,9 +234,11 @@ def write(out: Path, report: dict, argv: list[str] | None) -> None:
     phases = [("unloaded", report["unloaded"]), ("5x, admission", report["overload"])]
     if "control" in report:
         phases.append(("5x, no admission", report["control"]))
-    names = [n for n, _ in phases]
-    left.bar([n + "\np50" for n in names], [s["ttft_p50_ms"] or 0 for _, s in phases], color="#8ab")
-    left.bar([n + "\np99" for n in names], [s["ttft_p99_ms"] or 0 for _, s in phases], color="#357")
+    xs = range(len(phases))
+    left.bar([x - 0.2 for x in xs], [s["ttft_p50_ms"] or 0 for _, s in phases], width=0.4, color="#8ab", label="p50")
+    left.bar([x + 0.2 for x in xs], [s["ttft_p99_ms"] or 0 for _, s in phases], width=0.4, color="#357", label="p99")
+    left.set_xticks(list(xs), [n.replace(", ", "\n") for n, _ in phases])
+    left.legend()
     left.set_ylabel("TTFT of served requests, ms")
     left.set_yscale("log")
     over = report["overload"]
@@ -240,9 +250,11 @@ def write(out: Path, report: dict, argv: list[str] | None) -> None:
                  f"{over['status_5xx']} x 5xx")
     fig.tight_layout()
     fig.savefig(out / "overload.png", dpi=110)
-    rows = ["| phase | requests | served | 429 | 5xx | TTFT p50 ms | TTFT p99 ms | gold share |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| phase | requests | served | 429 | 5xx | no answer in 60 s | TTFT p50 ms | TTFT p99 ms | gold share |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, s in phases:
-        rows.append(f"| {name} | {s['requests']} | {s['admitted']} | {s['status_429']} | {s['status_5xx']} | "
+        silent = s["requests"] - s["admitted"] - s["status_429"] - s["status_5xx"]
+        rows.append(f"| {name} | {s['requests']} | {s['admitted']} | {s['status_429']} | {s['status_5xx']} | {silent} | "
                     f"{s['ttft_p50_ms'] or 0:.0f} | {s['ttft_p99_ms'] or 0:.0f} | {s['gold_share']:.1%} |")
     t = report["targets"]
     text = [f"# Admission under overload\n\nCommand: `{command}`\n", "\n".join(rows), "",
