@@ -20,6 +20,7 @@ from nats.js.kv import KeyValue
 
 from shared import schema
 from shared.bus import Bus
+from shared.kv_watch import follow
 from shared.schema import BreakerRecord
 
 log = logging.getLogger(__name__)
@@ -114,33 +115,18 @@ class BreakerView:
 
     async def _watch(self) -> None:
         assert self._watcher is not None
-        while True:
-            try:
-                entry = await self._watcher.updates(timeout=3600)
-            except asyncio.TimeoutError:
-                continue
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("breakers watch error: %s", exc)
-                await asyncio.sleep(0.2)
-                continue
-            if entry is None:
-                self._synced.set()
-                continue
-            if not hasattr(entry, "operation"):
-                return
-            if entry.operation in ("DEL", "PURGE") or not entry.value:
-                self.records.pop(entry.key, None)
-                continue
-            try:
-                record = schema.decode(entry.value, BreakerRecord)
-            except Exception:
-                log.warning("bad breaker record for %s", entry.key)
-                continue
-            current = self.records.get(record.worker_id)
-            if current is not None and current[1] >= (entry.revision or 0):
-                continue  # our own write, already applied
-            self.records[record.worker_id] = (record, entry.revision or 0)
-            for callback in self.on_change:
-                callback(record)
+        await follow(self._watcher, "breakers", self._on_put, lambda key: self.records.pop(key, None),
+                     self._synced.set)
+
+    def _on_put(self, key: str, value: bytes, revision: int) -> None:
+        try:
+            record = schema.decode(value, BreakerRecord)
+        except Exception:
+            log.warning("bad breaker record for %s", key)
+            return
+        current = self.records.get(record.worker_id)
+        if current is not None and current[1] >= revision:
+            return  # our own write, already applied
+        self.records[record.worker_id] = (record, revision)
+        for callback in self.on_change:
+            callback(record)

@@ -22,6 +22,7 @@ from nats.js.kv import KeyValue
 
 from shared import schema
 from shared.bus import Bus
+from shared.kv_watch import follow
 from shared.schema import WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -124,34 +125,21 @@ class WorkerDirectory:
 
     async def _watch(self) -> None:
         assert self._watcher is not None
-        while not self._stopping:
-            try:
-                entry = await self._watcher.updates(timeout=3600)
-            except asyncio.TimeoutError:
-                continue
-            except Exception as exc:
-                log.warning("registry watch error: %s", exc)
-                await asyncio.sleep(0.2)
-                continue
-            if entry is None:
-                self._synced.set()
-                continue
-            if self._stopping or not hasattr(entry, "operation"):
-                return
-            if entry.operation in ("DEL", "PURGE") or entry.value is None or not entry.value:
-                self._remove(entry.key)
-                continue
-            try:
-                info = schema.decode(entry.value, WorkerInfo)
-            except Exception:
-                log.warning("bad registry entry for %s", entry.key)
-                continue
-            is_new = info.worker_id not in self.workers
-            self.workers[info.worker_id] = info
-            self._seen_at[info.worker_id] = time.monotonic()
-            if is_new:
-                for callback in self.on_added:
-                    callback(info)
+        await follow(self._watcher, "registry", self._on_put, self._remove, self._synced.set,
+                     lambda: self._stopping)
+
+    def _on_put(self, key: str, value: bytes, _revision: int) -> None:
+        try:
+            info = schema.decode(value, WorkerInfo)
+        except Exception:
+            log.warning("bad registry entry for %s", key)
+            return
+        is_new = info.worker_id not in self.workers
+        self.workers[info.worker_id] = info
+        self._seen_at[info.worker_id] = time.monotonic()
+        if is_new:
+            for callback in self.on_added:
+                callback(info)
 
     def _remove(self, worker_id: str) -> None:
         if self.workers.pop(worker_id, None) is not None:

@@ -33,6 +33,25 @@ async def start(mesh: LocalMesh, tiny_model, workers: int = 2, blocks: int = 204
                                 sim_itl_ms=itl_ms)
 
 
+class PeakRunning:
+    """The most requests the mesh's workers ran at once, sampled every 2 ms."""
+
+    def __init__(self, mesh: LocalMesh) -> None:
+        self.mesh, self.value, self._task = mesh, 0, None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._watch())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _watch(self) -> None:
+        while True:
+            self.value = max(self.value, sum(w.load_snapshot().num_running for w in self.mesh.workers))
+            await asyncio.sleep(0.002)
+
+
 def used(mesh: LocalMesh) -> int:
     return sum(ledger.used_tokens for a in mesh.admissions for ledger in a.ledgers.values())
 
@@ -138,14 +157,7 @@ async def test_a_new_leader_under_load_never_admits_more_than_capacity(nats_url,
     await mesh.start_admission(concurrency_per_worker=3, lease_ttl_s=3.0, leader_ttl_s=1.0)  # a standby
     edge = await mesh.start_edge(admission_wait_s=2.0)
     capacity = 2 * 3
-    peak = 0
-
-    async def watch_workers() -> None:
-        nonlocal peak
-        while True:
-            peak = max(peak, sum(w.load_snapshot().num_running for w in mesh.workers))
-            await asyncio.sleep(0.002)
-
+    peak = PeakRunning(mesh)
     try:
         await eventually(edge.mesh.is_ready, 10)
         await eventually(lambda: sum(a.leadership.is_leader for a in mesh.admissions) == 1, 10)
@@ -163,17 +175,17 @@ async def test_a_new_leader_under_load_never_admits_more_than_capacity(nats_url,
                 except openai.APIStatusError as exc:
                     outcomes.append(str(exc.status_code))
 
-        watcher = asyncio.create_task(watch_workers())
+        peak.start()
         load = asyncio.gather(*(agent(n) for n in range(12)))
         await asyncio.sleep(0.5)
         leader = next(a for a in mesh.admissions if a.leadership.is_leader)
         await leader.stop()  # hands over: the standby restores every held lease before it grants
         mesh.admissions.remove(leader)
         await asyncio.wait_for(load, 60)  # no request hangs
-        watcher.cancel()
+        peak.stop()
         assert len(outcomes) == 96 and outcomes.count("ok") > 20, outcomes
         assert set(outcomes) <= {"ok", "429", "503"}, outcomes
-        assert peak <= capacity, peak
+        assert peak.value <= capacity, peak.value
         assert mesh.admissions[0].leadership.is_leader and mesh.admissions[0].stats["restored"] >= 1  # the held leases came back
     finally:
         await mesh.stop()
@@ -194,17 +206,11 @@ async def test_a_crashed_leader_is_replaced_and_capacity_still_holds(nats_url, n
                                       env=env) for rid in ("adm-a", "adm-b")}
     edge = await mesh.start_edge(admission=True, admission_wait_s=2.0)
     bus = edge.mesh.bus
-    peak, outcomes = 0, []
+    peak, outcomes = PeakRunning(mesh), []
 
     async def leader() -> str | None:
         data, _ = await get_last(bus, bus.subjects.leases_bucket, "leader")
         return data.decode() if data else None
-
-    async def watch_workers() -> None:
-        nonlocal peak
-        while True:
-            peak = max(peak, sum(w.load_snapshot().num_running for w in mesh.workers))
-            await asyncio.sleep(0.002)
 
     try:
         await eventually(edge.mesh.is_ready, 10)
@@ -220,17 +226,17 @@ async def test_a_crashed_leader_is_replaced_and_capacity_still_holds(nats_url, n
                 except openai.APIStatusError as exc:
                     outcomes.append(str(exc.status_code))
 
-        watcher = asyncio.create_task(watch_workers())
+        peak.start()
         load = asyncio.gather(*(agent(n) for n in range(12)))
         await asyncio.sleep(0.5)
         doomed = await leader()
         replicas[doomed].send_signal(signal.SIGKILL)
         await asyncio.wait_for(load, 60)  # no request hangs
-        watcher.cancel()
+        peak.stop()
         survivor = await leader()
         assert survivor is not None and survivor != doomed
         assert len(outcomes) == 120 and set(outcomes) <= {"ok", "429"}, outcomes  # the edge waits out the failover
-        assert peak <= 2 * 3, peak
+        assert peak.value <= 2 * 3, peak.value
     finally:
         await mesh.stop()
         for proc in replicas.values():

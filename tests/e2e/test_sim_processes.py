@@ -34,6 +34,13 @@ def sim_worker_processes(nats_url: str, namespace: str, model_path, worker_ids, 
             for wid in worker_ids}
 
 
+def stop_processes(procs: dict[str, subprocess.Popen]) -> None:
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.terminate()
+        proc.wait(10)
+
+
 async def _finished(bus: Bus, worker_id: str) -> int:
     snapshot = await bus.request(bus.subjects.worker_load(worker_id), LoadRequest(), LoadSnapshot)
     return snapshot.num_finished_total
@@ -123,10 +130,7 @@ async def test_killing_a_sessions_decoder_repins_the_next_turn_with_no_client_er
         assert bound[3].worker_id == bound[2].worker_id and bound[3].repins == 1  # and it stays there
         assert router.stats["repins"] == 1 and router.stats["repins:excluded"] == 1
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-                proc.wait(10)
+        stop_processes(procs)
         await mesh.stop()
 
 
@@ -154,8 +158,5 @@ async def test_a_worker_dying_before_the_first_token_costs_one_retry_and_usage_o
         assert admission.stats["granted"] == 1  # one lease for the request, retry included
         await eventually(lambda: admission.stats["released"] == 1, 2)
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-            proc.wait(10)
+        stop_processes(procs)
         await mesh.stop()
