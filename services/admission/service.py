@@ -52,6 +52,7 @@ class AdmissionService:
         self._waiting: dict[str, Msg] = {}  # ticket -> the request to answer
         self._subs: list[object] = []
         self._tick: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
         self.stats: Counter[str] = Counter()
         bucket = bus.subjects.leases_bucket
         self.leadership = Leadership(bus, bucket, self.admission_id, config.leader_ttl_s, self._elected,
@@ -133,7 +134,9 @@ class AdmissionService:
         now = time.time()
         for model, ledger in self.ledgers.items():
             for grant in ledger.set_pool(self._pool(model), now):
-                asyncio.get_running_loop().create_task(self._answer_grant(model, grant))
+                task = asyncio.get_running_loop().create_task(self._answer_grant(model, grant))
+                self._background.add(task)  # keep a reference until it is done
+                task.add_done_callback(self._background.discard)
 
     # ------------------------------------------------------------ requests
     async def _on_acquire(self, request: LeaseRequest, raw: Msg) -> None:
