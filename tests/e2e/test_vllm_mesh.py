@@ -95,6 +95,7 @@ def test_repeated_long_prefix_reports_cached_tokens(mesh):
     client = openai.OpenAI(base_url=mesh["base_url"], api_key=mesh["key"], max_retries=0)
     history = [{"role": "user", "content": " ".join(f"item {i} is a red apple;" for i in range(80))}]
     first = client.chat.completions.create(model="tiny", messages=history, max_tokens=2)
+    time.sleep(0.3)  # the agent reads the answer; meanwhile the router hears of the new blocks (two workers)
     second = client.chat.completions.create(model="tiny", messages=history, max_tokens=2)
     assert first.usage.prompt_tokens > 256
     assert second.usage.prompt_tokens_details.cached_tokens >= 128
