@@ -114,6 +114,7 @@ class WorkerService:
                     num_output += len(out.token_ids)
                     if out.token_ids:
                         await stream.tokens(out.token_ids)
+                        await asyncio.sleep(0)  # a fast stream must not starve aborts and load requests
                     if out.finish_reason is None:
                         continue
                     await stream.end(out.finish_reason, out.num_prompt_tokens or len(request.prompt_token_ids),
