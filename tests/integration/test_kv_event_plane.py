@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import pytest
 
 from services.worker.config import WorkerConfig
@@ -30,11 +31,26 @@ async def test_batches_replay_and_snapshot_over_the_bus(worker, nats_url, namesp
     client = await Bus.connect(nats_url, namespace, "indexer")
     seen: list[KvEventBatch] = []
 
+    listening = asyncio.Event()
+
     async def on_batch(msg) -> None:
+        if msg.data == b"probe":
+            listening.set()
+            return
         seen.append(schema.decode(msg.data, KvEventBatch))
 
-    sub = await client.nc.subscribe(client.subjects.kv_events("kv-w"), cb=on_batch)
-    await client.nc.flush()  # the server knows the subscription before the first batch is published
+    subject = client.subjects.kv_events("kv-w")
+    sub = await client.nc.subscribe(subject, cb=on_batch)
+
+    async def subscribed() -> bool:  # our own probe came back: the server delivers this subject to us
+        await client.nc.publish(subject, b"probe")
+        await client.nc.flush()
+        await asyncio.sleep(0.01)
+        return listening.is_set()
+
+    # flush() alone was not enough under CPU load: all six batches were once published before the
+    # server delivered the subject to us (the subscriber saw none of them)
+    await eventually(subscribed, 5)
     try:
         for i in range(3):
             prompt = list(range(i * 100, i * 100 + 18))
