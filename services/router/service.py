@@ -73,9 +73,7 @@ class RouterService:
             await self.bus.subscribe(s.route, RouteRequest, self._on_route, queue=QUEUE_GROUP),
             await self.bus.subscribe(s.router_explain(self.router_id), RouteRequest, self._on_explain),
         ]
-        await self.bus.nc.flush()
-        for info in list(self.directory.workers.values()):
-            self._on_worker_added(info)
+        await self.bus.nc.flush()  # workers already registered were bootstrapped by the directory's on_added
         log.info("router %s ready (%s policy, index block size %d)", self.router_id, self.policy.name,
                  self.index.block_size)
 

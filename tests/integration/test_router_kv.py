@@ -72,6 +72,11 @@ async def fleet(nats_url, namespace):
     await fleet.stop()
 
 
+def synced(router: RouterService, worker_id: str) -> bool:
+    """The router finished bootstrapping the worker (its snapshot is loaded, not merely asked for)."""
+    return router.stats["kv_snapshots"] >= 1 and not router.kv_sync.is_catching_up(worker_id)
+
+
 async def run(worker: WorkerService, request_id: str, prompt: list[int]) -> None:
     async for _ in worker.engine.generate(request_id, prompt, SamplingParams(max_tokens=2)):
         pass
@@ -102,7 +107,7 @@ async def test_a_late_router_bootstraps_from_paged_snapshots_then_follows_events
 async def test_a_lost_batch_is_replayed_from_the_worker(fleet):
     a = await fleet.worker("a")
     router = await fleet.router(drop_batches={("a", 2)})
-    await eventually(lambda: router.stats["kv_snapshots"] == 1, 5)
+    await eventually(lambda: synced(router, "a"), 5)
     prompts = [prompt(3, 5000 * i) for i in range(1, 4)]
     for i, tokens in enumerate(prompts):
         await run(a, f"r{i}", tokens)
@@ -113,7 +118,7 @@ async def test_a_lost_batch_is_replayed_from_the_worker(fleet):
 async def test_a_gap_older_than_the_replay_buffer_falls_back_to_a_snapshot(fleet):
     a = await fleet.worker("a", replay_capacity=1)
     router = await fleet.router(drop_batches={("a", 1), ("a", 2)})
-    await eventually(lambda: router.stats["kv_snapshots"] == 1, 5)
+    await eventually(lambda: synced(router, "a"), 5)
     prompts = [prompt(2, 5000 * i) for i in range(1, 5)]
     for i, tokens in enumerate(prompts):
         await run(a, f"r{i}", tokens)
@@ -143,7 +148,7 @@ async def test_vanished_and_restarted_workers_leave_nothing_behind(fleet):
 async def test_a_lost_last_batch_is_found_from_the_workers_load_and_replayed(fleet):
     a = await fleet.worker("a")
     router = await fleet.router(drop_batches={("a", 1)})  # the only batch: no later one will show the gap
-    await eventually(lambda: router.stats["kv_snapshots"] == 1, 5)
+    await eventually(lambda: synced(router, "a"), 5)
     tokens = prompt(4, 100)
     await run(a, "r1", tokens)
     # the worker's next load snapshot (at most load_publish_s later) says kv_seq 1
@@ -156,7 +161,7 @@ async def test_a_session_routes_without_affinity_when_the_sessions_bucket_fails(
 
     a = await fleet.worker("a")
     router = await fleet.router()
-    await eventually(lambda: router.stats["kv_snapshots"] == 1, 5)
+    await eventually(lambda: synced(router, "a"), 5)
 
     async def unreachable(_session_id: str):
         raise TimeoutError("sessions bucket unreachable")
