@@ -8,6 +8,7 @@ Edges ask for admission leases when the mesh runs an admission service (start it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from services.admission.config import AdmissionConfig
 from services.admission.service import AdmissionService
@@ -47,42 +48,36 @@ class LocalMesh:
         self.buses.append(bus)
         return bus
 
+    async def _start(self, name: str, started: list, build: Callable[[Bus], Any]) -> Any:
+        """Connect a bus for one more service, build it, start it, and keep it in ``started``."""
+        service = build(await self._bus(f"{name}-{len(started)}"))
+        await service.start()
+        started.append(service)
+        return service
+
+    def _config(self, kind: type, **options: object) -> Any:
+        return kind(nats_url=self.nats_url, namespace=self.namespace, **options)
+
     async def start_router(self, **options: object) -> RouterService:
-        config = RouterConfig(nats_url=self.nats_url, namespace=self.namespace, **options)  # type: ignore[arg-type]
-        router = RouterService(await self._bus(f"router-{len(self.routers)}"), config)
-        await router.start()
-        self.routers.append(router)
-        return router
+        config = self._config(RouterConfig, **options)
+        return await self._start("router", self.routers, lambda bus: RouterService(bus, config))
 
     async def start_breaker(self, **options: object) -> BreakerService:
-        config = BreakerConfig(nats_url=self.nats_url, namespace=self.namespace, **options)  # type: ignore[arg-type]
-        breaker = BreakerService(await self._bus(f"breaker-{len(self.breakers)}"), config)
-        await breaker.start()
-        self.breakers.append(breaker)
-        return breaker
+        config = self._config(BreakerConfig, **options)
+        return await self._start("breaker", self.breakers, lambda bus: BreakerService(bus, config))
 
     async def start_admission(self, **options: object) -> AdmissionService:
-        config = AdmissionConfig(nats_url=self.nats_url, namespace=self.namespace, **options)  # type: ignore[arg-type]
-        admission = AdmissionService(await self._bus(f"admission-{len(self.admissions)}"), config)
-        await admission.start()
-        self.admissions.append(admission)
-        return admission
+        config = self._config(AdmissionConfig, **options)
+        return await self._start("admission", self.admissions, lambda bus: AdmissionService(bus, config))
 
     async def start_worker(self, **options: object) -> WorkerService:
-        config = WorkerConfig(nats_url=self.nats_url, namespace=self.namespace, **options)  # type: ignore[arg-type]
-        worker = WorkerService(config, await self._bus(f"worker-{len(self.workers)}"))
-        await worker.start()
-        self.workers.append(worker)
-        return worker
+        config = self._config(WorkerConfig, **options)
+        return await self._start("worker", self.workers, lambda bus: WorkerService(config, bus))
 
     async def start_edge(self, **options: object) -> EdgeService:
         options.setdefault("admission", bool(self.admissions))  # edges ask for leases when admission runs
-        config = EdgeConfig(nats_url=self.nats_url, namespace=self.namespace, dev_key=self.dev_key,
-                            http_port=0, **options)  # type: ignore[arg-type]
-        edge = EdgeService(config, await self._bus(f"edge-{len(self.edges)}"))
-        await edge.start()
-        self.edges.append(edge)
-        return edge
+        config = self._config(EdgeConfig, dev_key=self.dev_key, http_port=0, **options)
+        return await self._start("edge", self.edges, lambda bus: EdgeService(config, bus))
 
     @property
     def base_url(self) -> str:

@@ -14,12 +14,12 @@ import asyncio
 import logging
 from typing import Callable
 
-from nats.js.api import KeyValueConfig
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from shared import schema
 from shared.bus import Bus
+from shared.kv_cas import ensure_bucket
 from shared.kv_watch import follow
 from shared.schema import BreakerRecord
 
@@ -29,14 +29,6 @@ CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 
 class RecordConflict(Exception):
     """The record changed since the revision the writer read."""
-
-
-async def breakers_bucket(bus: Bus) -> KeyValue:
-    name = bus.subjects.breakers_bucket
-    try:
-        return await bus.js.key_value(name)
-    except BucketNotFoundError:
-        return await bus.js.create_key_value(KeyValueConfig(bucket=name, history=1))
 
 
 class BreakerView:
@@ -52,7 +44,7 @@ class BreakerView:
         self._synced = asyncio.Event()
 
     async def start(self) -> None:
-        self._kv = await breakers_bucket(self._bus)
+        self._kv = await ensure_bucket(self._bus, self._bus.subjects.breakers_bucket)
         self._watcher = await self._kv.watchall()
         self._task = asyncio.create_task(self._watch(), name="breakers-watch")
         await asyncio.wait_for(self._synced.wait(), 5)

@@ -14,6 +14,7 @@ import math
 
 from nats.js.api import KeyValueConfig
 from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
 
 from shared.bus import Bus
 
@@ -25,11 +26,12 @@ class CasConflict(Exception):
     """Another writer moved the key first."""
 
 
-async def ensure_bucket(bus: Bus, bucket: str) -> None:
+async def ensure_bucket(bus: Bus, bucket: str) -> KeyValue:
+    """The bucket's handle, creating it if needed (history 1, per-key TTLs allowed, expiry markers kept)."""
     try:
-        await bus.js.key_value(bucket)
+        return await bus.js.key_value(bucket)
     except BucketNotFoundError:
-        await bus.js.create_key_value(KeyValueConfig(bucket=bucket, history=1, limit_marker_ttl=MARKER_TTL_S))
+        return await bus.js.create_key_value(KeyValueConfig(bucket=bucket, history=1, limit_marker_ttl=MARKER_TTL_S))
 
 
 async def get_last(bus: Bus, bucket: str, key: str) -> tuple[bytes | None, int]:

@@ -16,25 +16,19 @@ import math
 import time
 from typing import Callable
 
-from nats.js.api import KeyValueConfig
-from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KeyValue
 
 from shared import schema
 from shared.bus import Bus
+from shared.kv_cas import ensure_bucket
 from shared.kv_watch import follow
 from shared.schema import WorkerInfo
 
 log = logging.getLogger(__name__)
-MARKER_TTL_S = 10
 
 
 async def workers_bucket(bus: Bus) -> KeyValue:
-    name = bus.subjects.workers_bucket
-    try:
-        return await bus.js.key_value(name)
-    except BucketNotFoundError:
-        return await bus.js.create_key_value(KeyValueConfig(bucket=name, history=1, limit_marker_ttl=MARKER_TTL_S))
+    return await ensure_bucket(bus, bus.subjects.workers_bucket)
 
 
 class WorkerRegistration:

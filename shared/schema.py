@@ -14,6 +14,7 @@ import msgspec
 from msgspec import Struct
 
 Role = Literal["both", "prefill", "decode"]
+SERVING_ROLES = ("both", "decode")  # roles that generate for clients (prefill workers only compute KV)
 FinishReason = Literal["stop", "length", "abort", "remote"]  # remote: prefilled for a decode worker
 
 

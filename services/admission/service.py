@@ -25,6 +25,7 @@ import uuid
 from collections import Counter
 
 from nats.aio.msg import Msg
+from nats.js.kv import KeyValue
 
 from services.admission.config import AdmissionConfig, parse_teams
 from services.admission.leader import Leadership
@@ -33,11 +34,10 @@ from shared import schema
 from shared.bus import Bus
 from shared.kv_cas import ensure_bucket
 from shared.registry import WorkerDirectory
-from shared.schema import (LeaseGranted, LeaseRecord, LeaseRejected, LeaseRelease, LeaseRenew, LeaseRenewReply,
+from shared.schema import (SERVING_ROLES, LeaseGranted, LeaseRecord, LeaseRejected, LeaseRelease, LeaseRenew, LeaseRenewReply,
                            LeaseRequest)
 
 log = logging.getLogger("infermesh.admission")
-SERVING_ROLES = ("both", "decode")
 
 
 class AdmissionService:
@@ -53,13 +53,14 @@ class AdmissionService:
         self._subs: list[object] = []
         self._tick: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self._kv: KeyValue | None = None  # the leases bucket
         self.stats: Counter[str] = Counter()
         bucket = bus.subjects.leases_bucket
         self.leadership = Leadership(bus, bucket, self.admission_id, config.leader_ttl_s, self._elected,
                                      self._deposed)
 
     async def start(self) -> None:
-        await ensure_bucket(self.bus, self.bus.subjects.leases_bucket)
+        self._kv = await ensure_bucket(self.bus, self.bus.subjects.leases_bucket)
         self.directory.on_added.append(lambda _info: self._capacity_changed())
         self.directory.on_removed.append(lambda _id: self._capacity_changed())
         await self.directory.start()
@@ -97,7 +98,8 @@ class AdmissionService:
 
     async def _restore(self) -> None:
         """Every lease still in the bucket is held until its holder stops renewing it."""
-        kv = await self.bus.js.key_value(self.bus.subjects.leases_bucket)
+        kv = self._kv
+        assert kv is not None
         try:
             keys = [k for k in await kv.keys() if k.startswith("l-")]
         except Exception:  # no keys at all
@@ -199,8 +201,8 @@ class AdmissionService:
         lease = grant.lease
         raw = raw or self._waiting.pop(lease.lease_id, None)
         record = LeaseRecord(lease.lease_id, lease.team, lease.klass, model, lease.tokens, lease.holder)
-        kv = await self.bus.js.key_value(self.bus.subjects.leases_bucket)
-        await kv.put(f"l-{lease.lease_id}", schema.encode(record))  # durable before the holder hears of it
+        assert self._kv is not None
+        await self._kv.put(f"l-{lease.lease_id}", schema.encode(record))  # durable before the holder hears of it
         self.models[lease.lease_id] = model
         self.stats["granted"] += 1
         if raw is None:  # the waiter left: give the capacity back
@@ -222,7 +224,7 @@ class AdmissionService:
 
     async def _forget(self, lease_id: str) -> None:
         try:
-            kv = await self.bus.js.key_value(self.bus.subjects.leases_bucket)
-            await kv.delete(f"l-{lease_id}")
+            assert self._kv is not None
+            await self._kv.delete(f"l-{lease_id}")
         except Exception as exc:
             log.warning("could not delete lease %s: %s", lease_id, exc)

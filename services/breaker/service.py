@@ -139,6 +139,5 @@ class BreakerService:
         raise RecordConflict(transition.worker_id)
 
     def _from_record(self, record: BreakerRecord) -> Breaker:
-        breaker = Breaker(record.worker_id, self.config.policy(), State(record.state), record.since, record.period,
-                          record.probe_request_id, record.since if record.probe_request_id else 0.0)
-        return breaker
+        return Breaker(record.worker_id, self.config.policy(), State(record.state), record.since, record.period,
+                       record.probe_request_id, record.since if record.probe_request_id else 0.0)

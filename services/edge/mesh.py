@@ -144,12 +144,15 @@ class EdgeMesh:
         task.add_done_callback(self._background.discard)
 
     # ------------------------------------------------------------ one request
-    async def route(self, request_id: str, model: str, prompt_token_ids: list[int], hints: RouteHints = RouteHints(),
-                    exclude: list[str] | None = None) -> RouteDecision:
+    def route_request(self, request_id: str, model: str, prompt_token_ids: list[int],
+                      hints: RouteHints = RouteHints()) -> RouteRequest:
+        """What the router is asked: the prompt's block hashes are computed here, once per request."""
         block_size = self.config.route_block_size
         hashes = prompt_hashes(prompt_token_ids, model, None, hints.cache_salt, block_size) if block_size else []
-        request = RouteRequest(request_id, model, len(prompt_token_ids), hints.session_id, exclude or [], hashes,
-                               block_size if hashes else 0)
+        return RouteRequest(request_id, model, len(prompt_token_ids), hints.session_id, [], hashes,
+                            block_size if hashes else 0)
+
+    async def route(self, request: RouteRequest) -> RouteDecision:
         try:
             reply = await self.bus.request(self.bus.subjects.route, request, RouteReply,
                                            timeout=self.config.route_timeout_s)
@@ -158,7 +161,7 @@ class EdgeMesh:
         if isinstance(reply, RouteDecision):
             return reply
         if reply.code == "model_not_found":
-            raise errors.model_not_found(model)
+            raise errors.model_not_found(request.model)
         raise errors.service_unavailable(reply.message, reply.code)
 
     async def generate(
@@ -173,11 +176,14 @@ class EdgeMesh:
         """
         excluded: list[str] = []
         first_failure: _WorkerFailedEarly | None = None
+        routing = self.route_request(request_id, model, prompt_token_ids, hints)
         for attempt in range(2):
             attempt_id = request_id if attempt == 0 else f"{request_id}-a{attempt}"  # a fresh stream subject
             try:
                 async with aclosing(self._attempt(attempt_id, attempt, model, prompt_token_ids, sampling, tokenizer,
-                                                  stop, hints, excluded)) as items:
+                                                  stop, hints, msgspec.structs.replace(
+                                                      routing, request_id=attempt_id,
+                                                      exclude_worker_ids=list(excluded)))) as items:
                     async for item in items:
                         yield item
                 return
@@ -195,11 +201,12 @@ class EdgeMesh:
 
     async def _attempt(
         self, request_id: str, attempt: int, model: str, prompt_token_ids: list[int], sampling: SamplingParams,
-        tokenizer: ModelTokenizer, stop: list[str], hints: RouteHints, excluded: list[str],
+        tokenizer: ModelTokenizer, stop: list[str], hints: RouteHints, routing: RouteRequest,
     ) -> AsyncIterator[str | Finished]:
-        decision = await self.route(request_id, model, prompt_token_ids, hints, excluded)
+        decision = await self.route(routing)
         if self.breakers.is_open(decision.worker_id):  # the router decided before it heard: no traffic there
-            decision = await self.route(request_id, model, prompt_token_ids, hints, excluded + [decision.worker_id])
+            decision = await self.route(msgspec.structs.replace(
+                routing, exclude_worker_ids=[*routing.exclude_worker_ids, decision.worker_id]))
         worker_id = decision.worker_id
         kv_transfer, prefill_cached = None, None
         if decision.prefill_worker_id:

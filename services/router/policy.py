@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from services.affinity.binding import AffinityLimits, repin_reason
 from services.router import scoring
 from services.router.index import Overlap, PrefixIndex
-from services.router.scoring import SERVING_ROLES, CostWeights, LoadView
-from shared.schema import RouteDecision, RouteRejected, RouteReply, RouteRequest, WorkerInfo
+from services.router.scoring import CostWeights, LoadView
+from shared.schema import SERVING_ROLES, RouteDecision, RouteRejected, RouteReply, RouteRequest, WorkerInfo
 
 NO_OVERLAP = Overlap()
 
@@ -66,6 +66,12 @@ def _key(request: RouteRequest) -> str:
 def _serving_filters(request: RouteRequest, view: RouteView, roles: tuple[str, ...]) -> list[scoring.Filter]:
     return [scoring.for_model(request.model), scoring.in_roles(roles), scoring.heartbeat_fresh(view.now),
             scoring.breaker_allows(view.open_breakers), scoring.not_excluded(request.exclude_worker_ids)]
+
+
+def _prefillers(request: RouteRequest, view: RouteView, decoder: WorkerInfo) -> list[WorkerInfo]:
+    """Prefill workers that may compute this prompt for ``decoder`` (its KV must fit the decoder's)."""
+    filters = _serving_filters(request, view, ("prefill",)) + [scoring.kv_compatible(decoder)]
+    return scoring.apply_filters(view.workers, filters)
 
 
 def _reject(request: RouteRequest, view: RouteView) -> RouteRejected:
@@ -129,8 +135,7 @@ class KvAwarePolicy:
 
     def _pick_prefill(self, request: RouteRequest, view: RouteView, decoder: WorkerInfo, num_prompt_blocks: int,
                       matches: dict[str, Overlap]) -> str:
-        filters = _serving_filters(request, view, ("prefill",)) + [scoring.kv_compatible(decoder)]
-        prefillers = scoring.apply_filters(view.workers, filters)
+        prefillers = _prefillers(request, view, decoder)
         if not prefillers:
             return ""
         prefill_only = CostWeights(prefill=1.0, decode=0.0, host_overlap=self.config.weights.host_overlap)
@@ -158,8 +163,7 @@ class LeastLoadedPolicy:
         prefill_worker = ""
         if request.num_prompt_tokens >= self.min_remote_prefill_tokens:
             decoder = next(w for w in candidates if w.worker_id == chosen)
-            filters = _serving_filters(request, view, ("prefill",)) + [scoring.kv_compatible(decoder)]
-            prefillers = scoring.apply_filters(view.workers, filters)
+            prefillers = _prefillers(request, view, decoder)
             if prefillers:
                 prefill_worker = scoring.pick({w.worker_id: float(view.loads.num_requests(w.worker_id))
                                                for w in prefillers}, _key(request) + "/prefill")

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from services.router.index import Overlap
 from shared.schema import LoadSnapshot, WorkerInfo
 
-SERVING_ROLES = ("both", "decode")
 
 
 # ------------------------------------------------------------ load view

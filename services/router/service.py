@@ -25,12 +25,12 @@ from services.router.config import RouterConfig
 from services.router.index import PrefixIndex
 from services.router.kv_sync import Action, KvSyncTracker
 from services.router.policy import KvAwarePolicy, LeastLoadedPolicy, Plan, RouteView
-from services.router.scoring import SERVING_ROLES, LoadView
+from services.router.scoring import LoadView
 from shared.breakers import BreakerView
 from shared.bus import Bus, BusError
 from shared.registry import WorkerDirectory
 from shared.schema import (KvEventBatch, KvReplayReply, KvReplayRequest, KvSnapshot, KvSnapshotRequest, LoadSnapshot,
-                           RouteDecision, RouteDecisionEvent, RouteRequest, SessionBinding, WorkerInfo)
+                           RouteDecision, RouteDecisionEvent, RouteRequest, SERVING_ROLES, SessionBinding, WorkerInfo)
 from shared.telemetry import tracer
 
 log = logging.getLogger("infermesh.router")
@@ -53,7 +53,6 @@ class RouterService:
             else LeastLoadedPolicy(config.min_remote_prefill_tokens))
         self.sessions = SessionStore(bus, config.session_idle_ttl_s) if config.affinity else None
         self.breakers = BreakerView(bus)  # the breaker service's state: open and half-open workers get no traffic
-        self.open_breakers: frozenset[str] = frozenset()  # more workers to keep out (tests, operators)
         self.stats: Counter[str] = Counter()  # decisions, sticky, repins[:reason], replays, snapshots, ...
         self._syncs: dict[str, asyncio.Task[None]] = {}
         self._subs: list[object] = []
@@ -224,7 +223,7 @@ class RouterService:
         await self.bus.respond(raw, self.policy.route(request, self.view(), bound).reply)
 
     def view(self) -> RouteView:
-        return RouteView(self.directory.live(), self.loads, time.time(), self.open_breakers | self.breakers.blocked())
+        return RouteView(self.directory.live(), self.loads, time.time(), self.breakers.blocked())
 
     async def decide(self, request: RouteRequest) -> Plan:
         """Route one request: the policy's plan, the session binding kept or moved, the load counted."""

@@ -52,6 +52,17 @@ class PeakRunning:
             await asyncio.sleep(0.002)
 
 
+async def agent(client: openai.AsyncOpenAI, n: int, turns: int, outcomes: list[str]) -> None:
+    """One client's requests in a row; each outcome is "ok" or the HTTP status."""
+    for i in range(turns):
+        try:
+            await client.completions.create(model="tiny", prompt=[5, n, i], max_tokens=20,
+                                            extra_body={"ignore_eos": True})
+            outcomes.append("ok")
+        except openai.APIStatusError as exc:
+            outcomes.append(str(exc.status_code))
+
+
 def used(mesh: LocalMesh) -> int:
     return sum(ledger.used_tokens for a in mesh.admissions for ledger in a.ledgers.values())
 
@@ -163,20 +174,8 @@ async def test_a_new_leader_under_load_never_admits_more_than_capacity(nats_url,
         await eventually(lambda: sum(a.leadership.is_leader for a in mesh.admissions) == 1, 10)
         client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key=KEY, max_retries=0, timeout=30)
         outcomes: list[str] = []
-
-        async def agent(n: int) -> None:
-            for i in range(8):
-                try:
-                    await client.completions.create(model="tiny", prompt=[5, n, i], max_tokens=20, extra_body={
-                        "ignore_eos": True})
-                    outcomes.append("ok")
-                except openai.RateLimitError:
-                    outcomes.append("429")
-                except openai.APIStatusError as exc:
-                    outcomes.append(str(exc.status_code))
-
         peak.start()
-        load = asyncio.gather(*(agent(n) for n in range(12)))
+        load = asyncio.gather(*(agent(client, n, 8, outcomes) for n in range(12)))
         await asyncio.sleep(0.5)
         leader = next(a for a in mesh.admissions if a.leadership.is_leader)
         await leader.stop()  # hands over: the standby restores every held lease before it grants
@@ -217,17 +216,8 @@ async def test_a_crashed_leader_is_replaced_and_capacity_still_holds(nats_url, n
         await eventually(leader, 20, 0.1)
         client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key=KEY, max_retries=0, timeout=30)
 
-        async def agent(n: int) -> None:
-            for i in range(10):
-                try:
-                    await client.completions.create(model="tiny", prompt=[5, n, i], max_tokens=20,
-                                                    extra_body={"ignore_eos": True})
-                    outcomes.append("ok")
-                except openai.APIStatusError as exc:
-                    outcomes.append(str(exc.status_code))
-
         peak.start()
-        load = asyncio.gather(*(agent(n) for n in range(12)))
+        load = asyncio.gather(*(agent(client, n, 10, outcomes) for n in range(12)))
         await asyncio.sleep(0.5)
         doomed = await leader()
         replicas[doomed].send_signal(signal.SIGKILL)
