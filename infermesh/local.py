@@ -16,6 +16,8 @@ from services.breaker.config import BreakerConfig
 from services.breaker.service import BreakerService
 from services.edge.config import EdgeConfig
 from services.edge.service import EdgeService
+from services.metering.config import MeteringConfig
+from services.metering.service import MeteringService
 from services.router.config import RouterConfig
 from services.router.service import RouterService
 from services.worker.config import WorkerConfig
@@ -34,6 +36,7 @@ class LocalMesh:
     edges: list[EdgeService] = field(default_factory=list)
     breakers: list[BreakerService] = field(default_factory=list)
     admissions: list[AdmissionService] = field(default_factory=list)
+    meterings: list[MeteringService] = field(default_factory=list)
 
     @property
     def router(self) -> RouterService | None:
@@ -70,6 +73,11 @@ class LocalMesh:
         config = self._config(AdmissionConfig, **options)
         return await self._start("admission", self.admissions, lambda bus: AdmissionService(bus, config))
 
+    async def start_metering(self, **options: object) -> MeteringService:
+        options.setdefault("billing_port", 0)
+        config = self._config(MeteringConfig, **options)
+        return await self._start("metering", self.meterings, lambda bus: MeteringService(bus, config))
+
     async def start_worker(self, **options: object) -> WorkerService:
         config = self._config(WorkerConfig, **options)
         return await self._start("worker", self.workers, lambda bus: WorkerService(config, bus))
@@ -91,6 +99,8 @@ class LocalMesh:
             await edge.stop()
         for admission in self.admissions:
             await admission.stop()
+        for metering in self.meterings:
+            await metering.stop()
         for worker in self.workers:
             await worker.stop()
         for router in self.routers:

@@ -31,6 +31,8 @@ class MeshOptions:
     sim_itl_ms: float = 10.0
     state_dir: str = ""
     dev_key: str = ""
+    database_url: str = ""  # the ledger: Postgres URL, or "" for the embedded SQLite file
+    billing_port: int = 8001
     ready_timeout_s: float = 600.0
     # A simulated fleet (sim engine only): serving and prefill engines, packed several per process.
     sim_decoders: int = 0  # > 0: replaces num_workers; role decode (both when sim_prefill is 0)
@@ -133,7 +135,7 @@ def _ready(url: str) -> dict[str, object] | None:
 
 
 def start_processes(group: ProcessGroup, options: MeshOptions, model_path: str, state: Path) -> str:
-    """Start NATS (unless options.nats_url), router, breaker, admission, workers and edge in ``group``;
+    """Start NATS (unless options.nats_url), router, breaker, admission, metering, workers and edge in ``group``;
     returns the NATS URL."""
     nats_url = options.nats_url
     if not nats_url:
@@ -147,6 +149,10 @@ def start_processes(group: ProcessGroup, options: MeshOptions, model_path: str, 
     group.python_service("router", "services.router", [], env)
     group.python_service("breaker", "services.breaker", [], env)
     group.python_service("admission", "services.admission", [], env)
+    metering_args = ["--billing-host", options.host, "--billing-port", str(options.billing_port)]
+    if options.database_url:
+        metering_args += ["--database-url", options.database_url]
+    group.python_service("metering", "services.metering", metering_args, env)
     for i, process in enumerate(worker_processes(options)):
         args = ["--worker-id", process.worker_id, "--engine", options.engine, "--model", options.model,
                 "--model-path", model_path, "--max-model-len", str(options.max_model_len)]
@@ -204,7 +210,7 @@ def run_mesh(options: MeshOptions) -> int:
     group = ProcessGroup(state / "logs")
     try:
         model_path = _resolve_model_path(options)
-        start_processes(group, options, model_path, state)
+        nats_url = start_processes(group, options, model_path, state)
         if not wait_ready(group, options, stop):
             if not stop.is_set():
                 _say(f"the mesh did not become ready; logs in {group.log_dir}")
@@ -214,6 +220,10 @@ def run_mesh(options: MeshOptions) -> int:
         _say("ready")
         print(f"\n  base URL : {base_url}\n  API key  : {options.dev_key}\n  model    : {options.model}"
               f"\n  engine   : {_describe_workers(options)}\n  logs     : {group.log_dir}\n"
+              f"  billing  : http://{options.host}:{options.billing_port}/dashboard/<team>#key=<team admin key>"
+              f"  (ledger: {options.database_url or 'embedded SQLite'};"
+              f" infermesh teams create T && infermesh keys create --team T --admin"
+              f" --nats-url {nats_url})\n"
               f"\n  python -c \"from openai import OpenAI; c = OpenAI(base_url='{base_url}', api_key='{options.dev_key}');"
               f" print(c.chat.completions.create(model='{options.model}', messages=[{{'role': 'user', 'content': 'Hi'}}],"
               f" max_tokens=32).choices[0].message.content)\"\n\n  Ctrl-C stops everything.\n", flush=True)

@@ -111,6 +111,8 @@ class LeaseRequest(Struct, frozen=True):
     tokens: int  # KV the request may need: prompt + max_tokens
     holder: str  # the edge
     wait_s: float  # how long it may wait in the queue
+    prompt_tokens: int = 0  # with max_tokens: the worst-case cost reserved against the team's budget
+    max_tokens: int = 0
 
 
 class LeaseGranted(Struct, frozen=True, tag="granted"):
@@ -120,6 +122,7 @@ class LeaseGranted(Struct, frozen=True, tag="granted"):
 
 class LeaseRejected(Struct, frozen=True, tag="rejected"):
     code: str  # too_large | concurrency_limit | tokens_per_minute | queue_full | queue_timeout | model_not_found
+    #            | insufficient_quota (the team's budget for the month is spent)
     message: str
     retry_after_s: float = 1.0
 
@@ -139,7 +142,14 @@ class LeaseRenewReply(Struct, frozen=True):
 
 
 class LeaseRelease(Struct, frozen=True):
+    """A lease given back. With a usage sequence, admission turns the lease's budget reservation into the
+    request's actual cost until the ledger has that usage message (``TeamSpend.through_seq``)."""
+
     lease_id: str
+    usage_seq: int = 0  # the usage message's stream sequence (0: nothing billed)
+    prompt_tokens: int = 0  # what was billed, which admission prices with the price sheet
+    cached_tokens: int = 0
+    completion_tokens: int = 0
 
 
 class LeaseRecord(Struct, frozen=True):
@@ -151,6 +161,7 @@ class LeaseRecord(Struct, frozen=True):
     model: str
     tokens: int
     holder: str
+    reserved_nano: int = 0  # worst-case cost held against the team's budget while the lease lives
 
 
 class Outcome(Struct, frozen=True):
@@ -193,6 +204,78 @@ class SessionBinding(Struct, frozen=True):
     reason: str = "new"  # why it was bound here: new | gone | breaker_open | excluded | overloaded
     ts: float = 0.0  # last write (the idle TTL restarts at each write)
 
+
+
+# ---------------------------------------------------------------- metering and billing
+UsageStatus = Literal["finished", "cancelled", "failed"]
+
+
+class UsageEvent(Struct, frozen=True):
+    """One billed attempt, published by the edge on the usage stream (dedupe id ``<request_id>:<attempt>``).
+
+    Published for every request that finished, was cancelled by its client, or failed after tokens;
+    a request that failed before any token is not billed. The counts are those the client was told
+    (finished) or that the engine reported generating (cancelled, failed)."""
+
+    request_id: str
+    attempt: int
+    team: str
+    key_prefix: str  # the API key's visible prefix ("" for a static operator key)
+    model: str
+    status: UsageStatus
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft_ms: float
+    duration_ms: float
+    worker_id: str
+    prefill_worker_id: str = ""
+    trace_id: str = ""
+    created_at: float = 0.0  # unix seconds: when the edge received the request
+
+
+class ApiKeyRecord(Struct, frozen=True):
+    """An API key as the edge sees it, in the api-keys bucket under the key's SHA-256 (hex)."""
+
+    prefix: str
+    team: str
+    is_admin: bool = False
+
+
+class ModelPrice(Struct, frozen=True):
+    """USD per 1M tokens, in micro-USD (integers: costs are exact sums)."""
+
+    input_micros: int
+    cached_input_micros: int
+    output_micros: int
+
+    def cost_nano(self, prompt: int, cached: int, completion: int) -> int:
+        """The cost of one request in nano-USD (rounded half up, once per request)."""
+        micro_tokens = (prompt - cached) * self.input_micros + cached * self.cached_input_micros \
+            + completion * self.output_micros  # micro-USD per 1M tokens x tokens = 1e-12 USD
+        return (micro_tokens + 500) // 1000
+
+
+class PriceSheet(Struct, frozen=True):
+    """The prices in effect now, per model (key ``prices`` in the billing bucket)."""
+
+    prices: dict[str, ModelPrice]
+    updated_at: float = 0.0
+
+    def cost_nano(self, model: str, prompt: int, cached: int, completion: int) -> int:
+        price = self.prices.get(model)
+        return price.cost_nano(prompt, cached, completion) if price else 0
+
+
+class TeamSpend(Struct, frozen=True):
+    """A team's month in the ledger (key ``spend.<team>`` in the billing bucket), kept current by metering."""
+
+    team: str
+    month: str  # YYYY-MM, UTC
+    budget_nano: int  # -1: no budget
+    spent_nano: int  # month-to-date cost in the ledger
+    through_seq: int  # every usage message up to this stream sequence is in spent_nano
 
 # ---------------------------------------------------------------- generation
 class SamplingParams(Struct, frozen=True):

@@ -23,6 +23,10 @@ tests - can share one NATS server without hearing each other.
     <ns>.breaker.transitions          publish        BreakerTransition
     KV bucket <ns>_sessions           key s-<hash>   SessionBinding, per-key idle TTL, CAS writes
     KV bucket <ns>_breakers           key <id>       BreakerRecord, CAS writes (probe permits too)
+    <ns>.usage                        JetStream <NS>_usage   UsageEvent, dedupe id <request_id>:<attempt>
+    KV bucket <ns>_api_keys           key <sha256>   ApiKeyRecord (metering keeps it in step with the ledger)
+    KV bucket <ns>_billing            key prices     PriceSheet; key spend.<team>: TeamSpend
+    <ns>.metering.keys_changed        publish        (empty): the CLI changed keys; metering syncs at once
 """
 
 from __future__ import annotations
@@ -111,6 +115,18 @@ class Subjects:
         return f"{self.namespace}.outcome.*"
 
     @property
+    def usage(self) -> str:
+        return f"{self.namespace}.usage"
+
+    @property
+    def usage_stream(self) -> str:
+        return f"{self.namespace}_usage"
+
+    @property
+    def keys_changed(self) -> str:
+        return f"{self.namespace}.metering.keys_changed"
+
+    @property
     def breaker_transitions(self) -> str:
         return f"{self.namespace}.breaker.transitions"
 
@@ -137,3 +153,11 @@ class Subjects:
     @property
     def sessions_bucket(self) -> str:
         return f"{self.namespace}_sessions"
+
+    @property
+    def api_keys_bucket(self) -> str:
+        return f"{self.namespace}_api_keys"
+
+    @property
+    def billing_bucket(self) -> str:
+        return f"{self.namespace}_billing"

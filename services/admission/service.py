@@ -14,6 +14,10 @@ the leader subscribes to the admission subjects; ``Leadership`` makes sure two n
 
 Capacity per model comes from the registry: the serving workers' KV (blocks x block size) x
 ``admit_fraction``, and ``concurrency_per_worker`` x workers.
+
+Budgets: every replica follows the billing bucket (metering's price sheet and each team's
+month-to-date spend); a team whose month is spent gets ``insufficient_quota``, and each admitted
+request reserves its worst-case cost until it ends (budgets.py).
 """
 
 from __future__ import annotations
@@ -27,15 +31,17 @@ from collections import Counter
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
+from services.admission.budgets import Budgets, OverBudget
 from services.admission.config import AdmissionConfig, parse_teams
 from services.admission.leader import Leadership
 from services.admission.ledger import Grant, Lease, Ledger, PoolLimits, Reject, Wait, Waiter
 from shared import schema
 from shared.bus import Bus
 from shared.kv_cas import ensure_bucket
+from shared.kv_watch import follow
 from shared.registry import WorkerDirectory
 from shared.schema import (SERVING_ROLES, LeaseGranted, LeaseRecord, LeaseRejected, LeaseRelease, LeaseRenew, LeaseRenewReply,
-                           LeaseRequest)
+                           LeaseRequest, PriceSheet, TeamSpend)
 
 log = logging.getLogger("infermesh.admission")
 
@@ -54,6 +60,9 @@ class AdmissionService:
         self._tick: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._kv: KeyValue | None = None  # the leases bucket
+        self.budgets = Budgets()
+        self._billing_watch: asyncio.Task[None] | None = None
+        self._billing_watcher: object = None
         self.stats: Counter[str] = Counter()
         bucket = bus.subjects.leases_bucket
         self.leadership = Leadership(bus, bucket, self.admission_id, config.leader_ttl_s, self._elected,
@@ -64,11 +73,39 @@ class AdmissionService:
         self.directory.on_added.append(lambda _info: self._capacity_changed())
         self.directory.on_removed.append(lambda _id: self._capacity_changed())
         await self.directory.start()
+        await self._follow_billing()
         await self.leadership.start()
 
     async def stop(self) -> None:
         await self.leadership.stop()
+        if self._billing_watch is not None:
+            self._billing_watch.cancel()
+            try:
+                await self._billing_watcher.stop()  # type: ignore[attr-defined]
+            except Exception:
+                pass
         await self.directory.stop()
+
+    async def _follow_billing(self) -> None:
+        kv = await ensure_bucket(self.bus, self.bus.subjects.billing_bucket)
+        self._billing_watcher = await kv.watchall()
+        synced = asyncio.Event()
+
+        def on_put(key: str, value: bytes, _revision: int) -> None:
+            try:
+                if key == "prices":
+                    self.budgets.on_prices(schema.decode(value, PriceSheet))
+                elif key.startswith("spend."):
+                    self.budgets.on_spend(schema.decode(value, TeamSpend))
+            except Exception as exc:
+                log.warning("bad billing record %s: %s", key, exc)
+
+        self._billing_watch = asyncio.create_task(
+            follow(self._billing_watcher, "billing", on_put, lambda _key: None, synced.set), name="billing-watch")
+        try:
+            await asyncio.wait_for(synced.wait(), 10)
+        except asyncio.TimeoutError:
+            log.warning("billing bucket not read within 10 s: budgets start empty")
 
     # ------------------------------------------------------------ leadership
     async def _elected(self) -> None:
@@ -95,6 +132,7 @@ class AdmissionService:
         self._waiting.clear()
         self.ledgers.clear()
         self.models.clear()
+        self.budgets.clear_leases()
 
     async def _restore(self) -> None:
         """Every lease still in the bucket is held until its holder stops renewing it."""
@@ -116,6 +154,7 @@ class AdmissionService:
             self._ledger(record.model).restore(Lease(record.lease_id, record.team, record.klass, record.tokens,
                                                      record.holder, now + self.config.lease_ttl_s))
             self.models[record.lease_id] = record.model
+            self.budgets.hold(record.lease_id, record.team, record.reserved_nano)
         self.stats["restored"] += len(keys)
         log.info("admission %s restored %d leases", self.admission_id, len(keys))
 
@@ -150,6 +189,12 @@ class AdmissionService:
             await self.bus.respond(raw, LeaseRejected("model_not_found", f"no live worker serves {request.model!r}"))
             return
         now = time.time()
+        budget = self.budgets.admit(request.ticket, request.team, request.model, request.prompt_tokens,
+                                    request.max_tokens, now)
+        if isinstance(budget, OverBudget):
+            self.stats["rejected:insufficient_quota"] += 1
+            await self.bus.respond(raw, LeaseRejected("insufficient_quota", budget.message, 60.0))
+            return
         result = self._ledger(request.model).acquire(now, request.ticket, request.team, request.klass, request.tokens,
                                                      request.holder, now + request.wait_s)
         if isinstance(result, Grant):
@@ -159,6 +204,7 @@ class AdmissionService:
             self._waiting[request.ticket] = raw
             await self._reject_bumped(self._ledger(request.model))
         else:
+            self.budgets.drop(request.ticket)
             await self._answer_reject(raw, result)
 
     async def _on_renew(self, request: LeaseRenew, raw: Msg) -> None:
@@ -174,6 +220,8 @@ class AdmissionService:
         if model is None:
             return
         self.stats["released"] += 1
+        self.budgets.release(request.lease_id, model, request.usage_seq, request.prompt_tokens,
+                             request.cached_tokens, request.completion_tokens, time.time())
         await self._forget(request.lease_id)
         for grant in self._ledger(model).release(request.lease_id, time.time()):
             await self._answer_grant(model, grant)
@@ -182,16 +230,19 @@ class AdmissionService:
         while True:
             await asyncio.sleep(self.config.tick_s)
             now = time.time()
+            self.budgets.expire(now)
             for model, ledger in list(self.ledgers.items()):
                 lapsed = [lid for lid, lease in ledger.leases.items() if lease.expires_at <= now]
                 grants, rejected = ledger.tick(now)
                 for lease_id in lapsed:
                     self.stats["lapsed"] += 1
+                    self.budgets.drop(lease_id)
                     self.models.pop(lease_id, None)
                     await self._forget(lease_id)
                 for grant in grants:
                     await self._answer_grant(model, grant)
                 for waiter, reject in rejected:
+                    self.budgets.drop(waiter.ticket)
                     raw = self._waiting.pop(waiter.ticket, None)
                     if raw is not None:
                         await self._answer_reject(raw, reject)
@@ -200,7 +251,8 @@ class AdmissionService:
     async def _answer_grant(self, model: str, grant: Grant, raw: Msg | None = None) -> None:
         lease = grant.lease
         raw = raw or self._waiting.pop(lease.lease_id, None)
-        record = LeaseRecord(lease.lease_id, lease.team, lease.klass, model, lease.tokens, lease.holder)
+        record = LeaseRecord(lease.lease_id, lease.team, lease.klass, model, lease.tokens, lease.holder,
+                             self.budgets.reserved_nano(lease.lease_id))
         assert self._kv is not None
         await self._kv.put(f"l-{lease.lease_id}", schema.encode(record))  # durable before the holder hears of it
         self.models[lease.lease_id] = model
@@ -218,6 +270,7 @@ class AdmissionService:
         bumped: list[Waiter] = ledger.bumped
         ledger.bumped = []
         for waiter in bumped:
+            self.budgets.drop(waiter.ticket)
             raw = self._waiting.pop(waiter.ticket, None)
             if raw is not None:
                 await self._answer_reject(raw, Reject("queue_full", "batch request yielded its place", 1.0))

@@ -39,12 +39,13 @@ class AdmissionClient:
             await self.bus.publish(self.bus.subjects.admission_release, LeaseRelease(lease_id))
         self.held.clear()
 
-    async def acquire(self, team: str, klass: str, model: str, tokens: int, wait_s: float) -> str:
-        """A lease id, or an ApiError: 429 (limits, queue), 400 (can never fit), 503 (no worker, no admission)."""
+    async def acquire(self, team: str, klass: str, model: str, prompt_tokens: int, max_tokens: int,
+                      wait_s: float) -> str:
+        """A lease id, or an ApiError: 429 (limits, queue, budget), 400 (can never fit), 503 (no worker, no admission)."""
         deadline = time.monotonic() + max(wait_s, FAILOVER_S)
         while True:
-            request = LeaseRequest(uuid.uuid4().hex, team, klass, model, tokens, self.edge_id,
-                                   max(0.0, min(wait_s, deadline - time.monotonic())))
+            request = LeaseRequest(uuid.uuid4().hex, team, klass, model, prompt_tokens + max_tokens, self.edge_id,
+                                   max(0.0, min(wait_s, deadline - time.monotonic())), prompt_tokens, max_tokens)
             try:
                 reply = await self.bus.request(self.bus.subjects.admission_acquire, request, LeaseReply,
                                                timeout=wait_s + 2.0)
@@ -61,6 +62,8 @@ class AdmissionClient:
             if reply.code == "admission_moved" and time.monotonic() + reply.retry_after_s < deadline:
                 await asyncio.sleep(reply.retry_after_s)  # a new leader is taking over: ask it
                 continue
+            if reply.code == "insufficient_quota":
+                raise errors.insufficient_quota(reply.message)
             if reply.code in RATE_LIMITED:
                 raise errors.rate_limited(f"Rate limit reached: {reply.message}", reply.retry_after_s)
             if reply.code == "too_large":
@@ -68,11 +71,12 @@ class AdmissionClient:
                                              "max_tokens")
             raise errors.service_unavailable(reply.message, reply.code)
 
-    def release(self, lease_id: str) -> None:
+    def release(self, lease_id: str, release: LeaseRelease | None = None) -> None:
+        """Give a lease back; ``release`` may carry the request's usage (its budget reservation becomes that)."""
         if lease_id in self.held:
             self.held.discard(lease_id)
             task = asyncio.get_running_loop().create_task(
-                self.bus.publish(self.bus.subjects.admission_release, LeaseRelease(lease_id)))
+                self.bus.publish(self.bus.subjects.admission_release, release or LeaseRelease(lease_id)))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 

@@ -7,10 +7,12 @@ disconnects cancels the request (see http.py), which aborts the engine request.
 
 from __future__ import annotations
 
-import hmac
-from contextlib import aclosing, nullcontext
+import asyncio
+import logging
 import time
 import uuid
+from contextlib import aclosing, nullcontext
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 import msgspec
@@ -21,16 +23,18 @@ from services.edge import errors
 from services.edge.admission import CLASSES
 from services.edge.config import EdgeConfig
 from services.edge.http import HttpRequest, JsonReply, Reply, SseReply
-from services.edge.mesh import EdgeMesh, Finished, RouteHints, StreamBroken
+from services.edge.keys import Caller
+from services.edge.mesh import EdgeMesh, Finished, RouteHints, StreamBroken, Tally
 from services.edge.protocol import (
     MAX_ID_LENGTH,
     ChatCompletionRequest, CompletionRequest, InvalidRequest, Sampling, parse_body, validate_chat,
     validate_completion,
 )
 from services.edge.tokenizer import ModelTokenizer
-from shared.schema import SamplingParams
+from shared.schema import LeaseRelease, SamplingParams, UsageEvent
 from shared.telemetry import tracer, tracing_enabled
 
+log = logging.getLogger("infermesh.edge")
 _tracer = tracer("infermesh.edge")
 _json = msgspec.json.Encoder()
 
@@ -52,18 +56,16 @@ class EdgeApi:
     def __init__(self, config: EdgeConfig, mesh: EdgeMesh) -> None:
         self.config = config
         self.mesh = mesh
-        self._keys = {config.dev_key: "default"} if config.dev_key else {}
-        self._keys.update(config.team_keys())
+        self._billing: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------ auth
-    def authenticate(self, authorization: str | None) -> str:
-        """The team the bearer key (``Authorization`` header value) belongs to."""
+    def authenticate(self, authorization: str | None) -> Caller:
+        """Who the bearer key (``Authorization`` header value) belongs to: no database on this path."""
         scheme, _, key = (authorization or "").partition(" ")
-        if scheme.lower() == "bearer":
-            for known, team in self._keys.items():
-                if hmac.compare_digest(key.strip().encode(), known.encode()):
-                    return team
-        raise errors.invalid_api_key()
+        caller = self.mesh.keys.caller(key.strip()) if scheme.lower() == "bearer" else None
+        if caller is None:
+            raise errors.invalid_api_key()
+        return caller
 
     # ------------------------------------------------------------ endpoints
     def models(self, authorization: str | None) -> dict[str, Any]:
@@ -92,7 +94,7 @@ class EdgeApi:
     # ------------------------------------------------------------ shared flow
     def _validated(self, request: HttpRequest, kind: type, validate: Callable[[Any], Any]) -> tuple[Any, Any]:
         """Authenticate, decode the body as ``kind`` and validate it; InvalidRequest becomes a 400."""
-        self.authenticate(request.headers.get("authorization"))
+        request.caller = self.authenticate(request.headers.get("authorization"))
         try:
             body = parse_body(request.body, kind)
             return body, validate(body)
@@ -124,6 +126,8 @@ class EdgeApi:
     async def _serve(self, request: HttpRequest, kind: str, body: Any, prompt_ids: list[int], sampling: Sampling,
                      tokenizer: ModelTokenizer, max_len: int) -> Reply:
         model, stream = body.model, body.stream
+        arrived = time.time()
+        caller: Caller = request.caller
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         try:
             params = self._engine_sampling(sampling, len(prompt_ids), max_len, tokenizer)
@@ -146,16 +150,16 @@ class EdgeApi:
         lease_id = None
         if admission is not None:  # no lease, no request: 429 / 503 before anything is routed
             try:
-                lease_id = await admission.acquire(self.authenticate(request.headers.get("authorization")), klass,
-                                                   model, len(prompt_ids) + params.max_tokens,
+                lease_id = await admission.acquire(caller.team, klass, model, len(prompt_ids), params.max_tokens,
                                                    self.config.admission_wait_s)
             except errors.ApiError as exc:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
                 span.end()
                 raise
-        events = self.mesh.generate(request_id, model, prompt_ids, params, tokenizer, sampling.stop, hints)
-        if lease_id is not None:
-            events = _holding(events, admission.release, lease_id)  # type: ignore[union-attr]
+        tally = Tally()
+        bill = _Bill(request_id, caller, model, arrived, lease_id, tally, _trace_id(span, request.headers))
+        events = _then(self.mesh.generate(request_id, model, prompt_ids, params, tokenizer, sampling.stop, hints,
+                                          tally), lambda: self._spawn_bill(bill))
         try:
             with trace.use_span(span, end_on_exit=False) if span.is_recording() else nullcontext():
                 first = await events.__anext__()
@@ -170,6 +174,39 @@ class EdgeApi:
         if stream:
             return SseReply(self._sse_body(first, events, shape, include_usage, span))
         return await self._complete(first, events, shape, span)
+
+    def _spawn_bill(self, bill: _Bill) -> None:
+        """Bill in the background: the client never waits for it, and a cancelled request is billed too."""
+        task = asyncio.get_running_loop().create_task(self._bill(bill))
+        self._billing.add(task)
+        task.add_done_callback(self._billing.discard)
+
+    async def _bill(self, bill: _Bill) -> None:
+        """Publish the request's usage (if it is billable), then give its lease back with what it cost."""
+        tally = bill.tally
+        if tally.draining is not None:  # a cancelled request: its final counts are on their way
+            try:
+                await asyncio.wait_for(asyncio.shield(tally.draining), self.config.abort_drain_timeout_s + 5)
+            except asyncio.TimeoutError:
+                log.warning("request %s: no final counts after its cancellation; billing what was seen",
+                            bill.request_id)
+        seq = 0
+        if tally.status:
+            seq = await self.mesh.usage.publish(UsageEvent(
+                bill.request_id, tally.attempt, bill.caller.team, bill.caller.key_prefix, bill.model,
+                tally.status, tally.finish_reason, tally.prompt_tokens, tally.cached_tokens,  # type: ignore[arg-type]
+                tally.completion_tokens, round(tally.ttft_ms, 3), round(1000 * (time.time() - bill.arrived), 3),
+                tally.worker_id, tally.prefill_worker_id, bill.trace_id, bill.arrived))
+        admission = self.mesh.admission
+        if bill.lease_id is not None and admission is not None:
+            admission.release(bill.lease_id, LeaseRelease(bill.lease_id, seq, tally.prompt_tokens,
+                                                          tally.cached_tokens, tally.completion_tokens)
+                              if seq else None)
+
+    async def drain_billing(self, timeout_s: float = 10.0) -> None:
+        """Wait for the usage of finished requests to be published (a clean stop loses none)."""
+        if self._billing:
+            await asyncio.wait(list(self._billing), timeout=timeout_s)
 
     @staticmethod
     def _request_class(request: HttpRequest) -> str:
@@ -225,15 +262,36 @@ class EdgeApi:
         yield head + tail + b"data: [DONE]\n\n"
 
 
-async def _holding(events: AsyncIterator[str | Finished], release: Callable[[str], None],
-                   lease_id: str) -> AsyncIterator[str | Finished]:
-    """The request's events, its lease released when they end: finished, failed, or the client left."""
+async def _then(events: AsyncIterator[str | Finished], done: Callable[[], None]) -> AsyncIterator[str | Finished]:
+    """The request's events, then ``done()`` however they end: finished, failed, or the client left."""
     try:
         async with aclosing(events) as inner:  # type: ignore[type-var]
             async for item in inner:
                 yield item
     finally:
-        release(lease_id)
+        done()
+
+
+@dataclass(slots=True)
+class _Bill:
+    """What billing a request needs once it ended."""
+
+    request_id: str
+    caller: Caller
+    model: str
+    arrived: float
+    lease_id: str | None
+    tally: Tally
+    trace_id: str
+
+
+def _trace_id(span: trace.Span, headers: Any) -> str:
+    """The request's trace id: its span's, else the caller's traceparent's (W3C), else none."""
+    context = span.get_span_context()
+    if context.is_valid:
+        return format(context.trace_id, "032x")
+    parts = (headers.get("traceparent") or "").split("-")
+    return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else ""
 
 
 def _record(span: trace.Span, done: Finished) -> None:

@@ -62,3 +62,9 @@ def engine_failed(message: str) -> ApiError:
 def rate_limited(message: str, retry_after_s: float, code: str = "rate_limit_exceeded") -> ApiError:
     """429 in OpenAI's shape, with a whole-second Retry-After (at least 1)."""
     return ApiError(429, message, "requests", None, code, {"Retry-After": str(max(1, math.ceil(retry_after_s)))})
+
+
+def insufficient_quota(message: str) -> ApiError:
+    """429 as OpenAI sends it when the account's quota is spent (not retryable by waiting seconds)."""
+    return ApiError(429, f"You exceeded your current quota: {message}", "insufficient_quota", None,
+                    "insufficient_quota")

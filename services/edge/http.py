@@ -29,6 +29,7 @@ class HttpRequest:
     path: str
     headers: dict[str, str]  # lower-case names
     body: bytes
+    caller: Any = None  # who sent it, once authenticated (services.edge.keys.Caller)
 
 
 @dataclass(slots=True)

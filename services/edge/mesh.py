@@ -19,18 +19,25 @@ import msgspec
 from services.edge import errors
 from services.edge.admission import AdmissionClient
 from services.edge.config import EdgeConfig
+from services.edge.keys import KeyDirectory
 from services.edge.text import IncrementalDetokenizer, StopStringMatcher
 from services.edge.tokenizer import ModelTokenizer
 from shared.breakers import BreakerView
 from shared.bus import Bus, BusError, StreamReceiver, TokenStream
 from shared.prefix_hash import prompt_hashes
 from shared.registry import WorkerDirectory
+from shared.usage import UsagePublisher, ensure_usage_stream
 from shared.schema import (
     AbortRequest, GenerateRequest, Outcome, RouteDecision, RouteReply, RouteRequest, SamplingParams,
     StreamEnd, StreamError, TokenChunk, WorkerInfo,
 )
 
 log = logging.getLogger("infermesh.edge")
+
+
+def _settle(tally: Tally, status: str, done: "Finished") -> None:
+    tally.status, tally.finish_reason = status, done.finish_reason
+    tally.cached_tokens, tally.completion_tokens = done.num_cached_tokens, done.num_completion_tokens
 
 
 def _cached(prefill_cached: int | None, decode_cached: int) -> int:
@@ -45,6 +52,27 @@ class Finished:
     num_cached_tokens: int
     num_completion_tokens: int
     worker_id: str
+
+
+@dataclass(slots=True)
+class Tally:
+    """What one request consumed, as the mesh learns it: the billed attempt's counts (the usage event).
+
+    ``status`` becomes finished, failed (after tokens) or cancelled (the client left after tokens);
+    it stays "" when nothing is billable (every attempt failed before its first token). A cancelled
+    attempt's final counts come from the worker's end message after the abort: ``draining`` is
+    set while the edge waits for it."""
+
+    attempt: int = 0
+    worker_id: str = ""
+    prefill_worker_id: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_ms: float = 0.0
+    finish_reason: str = ""
+    status: str = ""
+    draining: "asyncio.Future[None] | None" = None
 
 
 class StreamBroken(Exception):
@@ -78,6 +106,9 @@ class EdgeMesh:
         self.receiver = StreamReceiver(bus, edge_id)
         self.breakers = BreakerView(bus)
         self.admission = AdmissionClient(bus, edge_id) if config.admission else None
+        static = {config.dev_key: "default"} if config.dev_key else {}
+        self.keys = KeyDirectory(bus, {**static, **config.team_keys()})
+        self.usage = UsagePublisher(bus)
         self._tokenizers: dict[str, ModelTokenizer] = {}
         self._loading: dict[str, asyncio.Task[ModelTokenizer]] = {}
         self._background: set[asyncio.Task[None]] = set()
@@ -87,6 +118,8 @@ class EdgeMesh:
         self.directory.on_removed.append(self._on_worker_removed)
         await self.receiver.start()
         await self.breakers.start()
+        await ensure_usage_stream(self.bus)
+        await self.keys.start()
         if self.admission is not None:
             await self.admission.start()
         await self.directory.start()
@@ -98,6 +131,7 @@ class EdgeMesh:
         if self.admission is not None:
             await self.admission.stop()
         await self.breakers.stop()
+        await self.keys.stop()
         await self.directory.stop()
 
     # ------------------------------------------------------------ models and tokenizers
@@ -166,7 +200,7 @@ class EdgeMesh:
 
     async def generate(
         self, request_id: str, model: str, prompt_token_ids: list[int], sampling: SamplingParams,
-        tokenizer: ModelTokenizer, stop: list[str], hints: RouteHints = RouteHints(),
+        tokenizer: ModelTokenizer, stop: list[str], hints: RouteHints = RouteHints(), tally: Tally | None = None,
     ) -> AsyncIterator[str | Finished]:
         """Yield text deltas, then one Finished. Raises ApiError before the first token, StreamBroken after.
 
@@ -183,7 +217,8 @@ class EdgeMesh:
                 async with aclosing(self._attempt(attempt_id, attempt, model, prompt_token_ids, sampling, tokenizer,
                                                   stop, hints, msgspec.structs.replace(
                                                       routing, request_id=attempt_id,
-                                                      exclude_worker_ids=list(excluded)))) as items:
+                                                      exclude_worker_ids=list(excluded)),
+                                                  tally if tally is not None else Tally())) as items:
                     async for item in items:
                         yield item
                 return
@@ -201,7 +236,7 @@ class EdgeMesh:
 
     async def _attempt(
         self, request_id: str, attempt: int, model: str, prompt_token_ids: list[int], sampling: SamplingParams,
-        tokenizer: ModelTokenizer, stop: list[str], hints: RouteHints, routing: RouteRequest,
+        tokenizer: ModelTokenizer, stop: list[str], hints: RouteHints, routing: RouteRequest, tally: Tally,
     ) -> AsyncIterator[str | Finished]:
         decision = await self.route(routing)
         if self.breakers.is_open(decision.worker_id):  # the router decided before it heard: no traffic there
@@ -216,8 +251,11 @@ class EdgeMesh:
                 kv_transfer, prefill_cached = prefilled.kv_transfer, prefilled.num_cached_tokens
         stream = self.receiver.open(request_id, worker_id, self.config.first_token_timeout_s,
                                     self.config.inter_token_timeout_s)
-        finished = False
+        tally.attempt, tally.worker_id, tally.prefill_worker_id = attempt, worker_id, decision.prefill_worker_id
+        tally.prompt_tokens = len(prompt_token_ids)
+        finished = failed = False
         sent_at, ttft_ms = time.monotonic(), 0.0
+        num_output = 0
         try:
             await self.bus.publish(
                 self.bus.subjects.worker_generate(worker_id),
@@ -227,13 +265,13 @@ class EdgeMesh:
             )
             detokenizer = IncrementalDetokenizer(tokenizer)
             stopper = StopStringMatcher(stop)
-            num_output = 0
             while True:
                 message = await stream.next()
                 if isinstance(message, TokenChunk):
                     if not num_output:
-                        ttft_ms = 1000 * (time.monotonic() - sent_at)
+                        ttft_ms = tally.ttft_ms = 1000 * (time.monotonic() - sent_at)
                     num_output += len(message.token_ids)
+                    tally.completion_tokens = num_output
                     text, hit = stopper.feed(detokenizer.push(message.token_ids))
                     if text:
                         yield text
@@ -241,9 +279,11 @@ class EdgeMesh:
                         end = await self._abort_and_drain(stream)
                         finished = True
                         self._report(worker_id, request_id, True, "", ttft_ms)
-                        yield Finished("stop", len(prompt_token_ids),
-                                       _cached(prefill_cached, end.num_cached_tokens if end else 0), num_output,
-                                       worker_id)
+                        done = Finished("stop", len(prompt_token_ids),
+                                        _cached(prefill_cached, end.num_cached_tokens if end else 0), num_output,
+                                        worker_id)
+                        _settle(tally, "finished", done)
+                        yield done
                         return
                 elif isinstance(message, StreamEnd):
                     finished = True
@@ -253,19 +293,42 @@ class EdgeMesh:
                     if text:
                         yield text
                     reason = "stop" if hit else message.finish_reason
-                    yield Finished(reason, len(prompt_token_ids), _cached(prefill_cached, message.num_cached_tokens),
-                                   num_output, worker_id)
+                    done = Finished(reason, len(prompt_token_ids), _cached(prefill_cached, message.num_cached_tokens),
+                                    num_output, worker_id)
+                    _settle(tally, "finished", done)
+                    yield done
                     return
                 else:  # finished stays False: the abort is a no-op if the worker ended it, vital on a timeout
+                    failed = True
+                    if num_output:  # billed: the tokens the client got
+                        tally.status, tally.finish_reason = "failed", message.code
                     if message.code != "bad_request":  # the client's fault, not the worker's
                         self._report(worker_id, request_id, False, message.code if not num_output else "broken")
                     if not num_output and message.code in RETRYABLE:
                         raise _WorkerFailedEarly(self._stream_error(message), worker_id)
                     self._raise_stream_error(message, num_output)
         finally:
-            if not finished:  # client left, or we failed: stop the engine; never await in a cancelled scope
-                self._spawn(self._abort(worker_id, request_id))
-            self.receiver.close(request_id)
+            if not finished and not failed and num_output:  # the client left mid-stream: bill what was generated
+                tally.status, tally.finish_reason = "cancelled", "abort"
+                tally.cached_tokens = prefill_cached or 0
+                tally.draining = asyncio.get_running_loop().create_future()
+                self._spawn(self._drain_cancelled(stream, tally, prefill_cached))
+            else:
+                if not finished:  # we failed: stop the engine; never await in a cancelled scope
+                    self._spawn(self._abort(worker_id, request_id))
+                self.receiver.close(request_id)
+
+    async def _drain_cancelled(self, stream: TokenStream, tally: Tally, prefill_cached: int | None) -> None:
+        """Abort a request its client left, and take its final counts from the worker's end message."""
+        try:
+            end = await self._abort_and_drain(stream)
+            if end is not None:
+                tally.completion_tokens = max(tally.completion_tokens, end.num_output_tokens)
+                tally.cached_tokens = _cached(prefill_cached, end.num_cached_tokens)
+        finally:
+            self.receiver.close(stream.request_id)
+            assert tally.draining is not None
+            tally.draining.set_result(None)
 
     async def _remote_prefill(self, worker_id: str, request_id: str, model: str, prompt_token_ids: list[int],
                               sampling: SamplingParams, cache_salt: str | None) -> StreamEnd | None:

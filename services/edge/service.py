@@ -52,4 +52,5 @@ class EdgeService:
             self._server.should_exit = True
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
+        await self.api.drain_billing()
         await self.mesh.stop()

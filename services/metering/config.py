@@ -1,0 +1,26 @@
+"""Metering configuration (env INFERMESH_*, flags --*)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.config import BusConfig
+
+
+@dataclass(slots=True)
+class MeteringConfig(BusConfig):
+    """Metering: the usage stream into the ledger (Postgres or SQLite), keys and spend onto the bus, billing HTTP."""
+
+    database_url: str = ""  # INFERMESH_DATABASE_URL; "" = the embedded SQLite ledger
+    billing_host: str = "127.0.0.1"
+    billing_port: int = 8001  # the billing API and dashboards (0: any free port, -1: none)
+    consumer: str = "metering"  # the durable consumer's name (replicas share it)
+    batch_size: int = 1000  # usage messages per transaction, at most
+    fetch_wait_s: float = 0.05  # how long a fetch waits to fill a batch
+    ack_wait_s: float = 30.0  # a message not acked this long is redelivered (a metering replica died)
+    sync_s: float = 0.5  # keys, prices, budgets and spend are brought onto the bus this often
+    retry_max_s: float = 2.0  # the longest pause between attempts while the database is away
+
+    def __post_init__(self) -> None:
+        assert self.batch_size >= 1 and self.fetch_wait_s > 0 and self.ack_wait_s > 0 and self.sync_s > 0
+        assert self.billing_port >= -1

@@ -1,0 +1,117 @@
+"""Writing usage to the ledger: idempotent by (request_id, attempt), with the daily sums in the same transaction.
+
+    inserted = await write_usage(engine, [(stream_seq, UsageEvent), ...], prices)
+
+One transaction per batch: the usage rows go in with ``ON CONFLICT DO NOTHING ... RETURNING``, so
+only the rows that are new come back, and only those are added to ``usage_daily``. A message
+delivered twice - a redelivery after a crash between commit and ack, or an edge's retried
+publish - therefore changes nothing. The caller acks the messages only after this returns.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import func, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from services.metering.models import Usage, UsageDaily
+from services.metering.pricing import PriceBook
+from shared.schema import UsageEvent
+
+UTC = dt.timezone.utc
+
+
+@dataclass(slots=True)
+class Written:
+    """What one batch added: rows inserted (duplicates skipped) and the teams they billed."""
+
+    inserted: int
+    duplicates: int
+    teams: set[str]
+
+
+def _insert(conn: AsyncConnection, table: type):
+    return (postgresql.insert(table) if conn.dialect.name == "postgresql" else sqlite.insert(table))
+
+
+def usage_row(seq: int, event: UsageEvent, prices: PriceBook) -> dict:
+    at = event.created_at
+    return {
+        "request_id": event.request_id, "attempt": event.attempt, "team": event.team, "key_prefix": event.key_prefix,
+        "model": event.model, "prompt_tokens": event.prompt_tokens, "cached_tokens": event.cached_tokens,
+        "completion_tokens": event.completion_tokens,
+        "cost_nano": prices.cost_nano(event.model, at, event.prompt_tokens, event.cached_tokens,
+                                      event.completion_tokens),
+        "status": event.status, "finish_reason": event.finish_reason, "ttft_ms": event.ttft_ms,
+        "duration_ms": event.duration_ms, "worker_id": event.worker_id,
+        "prefill_worker_id": event.prefill_worker_id, "trace_id": event.trace_id, "stream_seq": seq,
+        "created_at": dt.datetime.fromtimestamp(at, UTC),
+    }
+
+
+def daily_sums(rows: Sequence[dict], prices: PriceBook) -> list[dict]:
+    """The rows summed per (team, UTC day, model, key prefix)."""
+    sums: dict[tuple, dict] = {}
+    for row in rows:
+        day = row["created_at"].astimezone(UTC).date()
+        key = (row["team"], day, row["model"], row["key_prefix"])
+        total = sums.get(key)
+        if total is None:
+            total = sums[key] = {"team": key[0], "day": day, "model": key[2], "key_prefix": key[3], "requests": 0,
+                                 "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0, "cost_nano": 0,
+                                 "savings_nano": 0}
+        total["requests"] += 1
+        total["prompt_tokens"] += row["prompt_tokens"]
+        total["cached_tokens"] += row["cached_tokens"]
+        total["completion_tokens"] += row["completion_tokens"]
+        total["cost_nano"] += row["cost_nano"]
+        total["savings_nano"] += prices.savings_nano(row["model"], row["created_at"].timestamp(),
+                                                     row["cached_tokens"])
+    return list(sums.values())
+
+
+SUMMED = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_nano", "savings_nano")
+
+
+async def write_usage(engine: AsyncEngine, batch: Sequence[tuple[int, UsageEvent]], prices: PriceBook) -> Written:
+    """Insert a batch of usage messages once each; raises (nothing written) if the database fails."""
+    rows = [usage_row(seq, event, prices) for seq, event in batch]
+    unique: dict[tuple[str, int], dict] = {}
+    for row in rows:  # the same message twice in one batch
+        unique.setdefault((row["request_id"], row["attempt"]), row)
+    if not unique:
+        return Written(0, len(rows), set())
+    async with engine.begin() as conn:
+        insert = _insert(conn, Usage)
+        stmt = insert.on_conflict_do_nothing(index_elements=["request_id", "attempt"]).returning(
+            Usage.request_id, Usage.attempt)
+        result = await conn.execute(stmt, list(unique.values()))
+        new_keys = {(r[0], r[1]) for r in result.all()}
+        fresh = [unique[key] for key in new_keys]
+        sums = daily_sums(fresh, prices)
+        if sums:
+            daily = _insert(conn, UsageDaily)
+            await conn.execute(daily.on_conflict_do_update(
+                index_elements=["team", "day", "model", "key_prefix"],
+                set_={name: getattr(UsageDaily, name) + getattr(daily.excluded, name) for name in SUMMED},
+            ), sums)
+    return Written(len(fresh), len(rows) - len(fresh), {row["team"] for row in fresh})
+
+
+def month_start(now: dt.datetime) -> dt.date:
+    return now.astimezone(UTC).date().replace(day=1)
+
+
+async def month_spend(engine: AsyncEngine, now: dt.datetime, teams: Sequence[str] | None = None) -> dict[str, int]:
+    """Month-to-date cost per team (nano-USD), from the daily sums."""
+    start = month_start(now)
+    query = select(UsageDaily.team, func.sum(UsageDaily.cost_nano)).where(UsageDaily.day >= start)
+    if teams is not None:
+        query = query.where(UsageDaily.team.in_(list(teams)))
+    async with engine.connect() as conn:
+        result = await conn.execute(query.group_by(UsageDaily.team))
+        return {team: int(total or 0) for team, total in result.all()}
