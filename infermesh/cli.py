@@ -5,6 +5,11 @@
     infermesh up --sim-decoders N [--sim-prefill M] [--sim-profile NAME] [--sim-clock-factor X]
                  [--sim-stream-interval K] [--sim-engines-per-process P] --model NAME --model-path DIR
     infermesh prepare-model [--tiny DIR]
+    infermesh teams create NAME | teams list
+    infermesh keys create --team T [--name N] [--admin] | keys revoke PREFIX | keys list [--team T]
+    infermesh prices set --model M --input X --cached-input Y --output Z [--effective-from ISO] | prices list
+    infermesh budgets set --team T --usd X [--month YYYY-MM]
+      (the ledger's admin commands: see infermesh/admin_cli.py)
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import os
 import secrets
 import sys
 from pathlib import Path
+
+from infermesh import admin_cli
 
 DEFAULT_MODEL = "gemma-3-270m"
 
@@ -46,16 +53,23 @@ def _parser() -> argparse.ArgumentParser:
     fleet.add_argument("--sim-stream-interval", type=int, default=1, help="tokens per streamed message")
     fleet.add_argument("--sim-engines-per-process", type=int, default=1,
                        help="sim engines sharing one worker process")
+    up.add_argument("--database-url", default=os.environ.get("INFERMESH_DATABASE_URL", ""),
+                    help="the billing ledger (postgresql://...); default: the embedded SQLite file")
+    up.add_argument("--billing-port", type=int, default=8001, help="billing API and team dashboards")
     up.add_argument("--state-dir", default="", help="logs and NATS store (default: a new temp folder)")
     up.add_argument("--ready-timeout", type=float, default=600.0)
 
     prepare = commands.add_parser("prepare-model", help="convert the embedded default model once (cached)")
     prepare.add_argument("--tiny", default="", help="instead, write the tiny random test model to this folder")
+
+    admin_cli.add_commands(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command in admin_cli.COMMANDS:
+        return admin_cli.run(args)
     if args.command == "prepare-model":
         from infermesh import models
 
@@ -74,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             sim_itl_ms=args.sim_itl_ms, state_dir=args.state_dir, dev_key=key, ready_timeout_s=args.ready_timeout,
             sim_decoders=args.sim_decoders, sim_prefill=args.sim_prefill, sim_profile=args.sim_profile,
             sim_clock_factor=args.sim_clock_factor, sim_stream_interval=args.sim_stream_interval,
-            sim_engines_per_process=args.sim_engines_per_process,
+            sim_engines_per_process=args.sim_engines_per_process, database_url=args.database_url,
+            billing_port=args.billing_port,
         )
         return run_mesh(options)
     return 2

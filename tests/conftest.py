@@ -5,9 +5,10 @@ from __future__ import annotations
 import subprocess
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import AsyncIterator, Iterator
 
 import pytest
+import pytest_asyncio
 
 from infermesh.processes import free_port, nats_server_binary
 from tests.utils import wait_for_port
@@ -55,3 +56,20 @@ def span_exporter():
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     return exporter
+
+
+@pytest_asyncio.fixture(params=["sqlite", "postgres"], ids=["sqlite", "postgres"], loop_scope="session")
+async def ledger_url(request: pytest.FixtureRequest) -> AsyncIterator[str]:
+    """A fresh ledger migrated to head, on SQLite and on the local Postgres (skipped when none listens)."""
+    from services.metering.db import migrate
+    from tests.ledger_db import fresh_database
+
+    try:
+        url, drop = await fresh_database(request.param)
+    except OSError as exc:
+        pytest.skip(f"no {request.param} server to test on: {exc}")
+    try:
+        await migrate(url)
+        yield url
+    finally:
+        await drop()

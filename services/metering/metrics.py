@@ -20,7 +20,7 @@ class LagWindow:
         now = now if now is not None else time.time()
         while self._samples and self._samples[0][0] < now - self.window_s:
             self._samples.popleft()
-        lags = sorted(lag for _, lag in self._samples)
+        lags = sorted(lag for at, lag in self._samples if at >= now - self.window_s)
         if not lags:
             return {"p50": 0.0, "p99": 0.0, "max": 0.0, "count": 0}
         pick = lambda q: lags[min(len(lags) - 1, int(q * len(lags)))]  # noqa: E731

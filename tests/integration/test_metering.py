@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -20,7 +19,7 @@ from shared import schema
 from shared.bus import Bus
 from shared.kv_cas import ensure_bucket
 from shared.schema import ModelPrice, TeamSpend, UsageEvent
-from shared.usage import UsagePublisher, ensure_usage_stream
+from shared.usage import UsagePublisher
 from tests.utils import eventually
 
 pytestmark = pytest.mark.integration
