@@ -7,6 +7,7 @@ COPY shared shared
 COPY services services
 COPY kernels kernels
 COPY loadtests loadtests
+COPY migrations migrations
 RUN pip install --no-cache-dir -e ".[vllm]" \
  && pip uninstall -y torchvision torchaudio torchcodec triton || true \
  && python -c "from infermesh.models import prepare_gemma; prepare_gemma('/models')"

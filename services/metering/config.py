@@ -18,9 +18,12 @@ class MeteringConfig(BusConfig):
     batch_size: int = 1000  # usage messages per transaction, at most
     fetch_wait_s: float = 0.05  # how long a fetch waits to fill a batch
     ack_wait_s: float = 30.0  # a message not acked this long is redelivered (a metering replica died)
+    writers: int = 2  # batches in flight at once (one commits while the next is fetched and decoded)
     sync_s: float = 0.5  # keys, prices, budgets and spend are brought onto the bus this often
+    spend_sync_s: float = 0.1  # after usage is committed, spend reaches admission within this
     retry_max_s: float = 2.0  # the longest pause between attempts while the database is away
 
     def __post_init__(self) -> None:
         assert self.batch_size >= 1 and self.fetch_wait_s > 0 and self.ack_wait_s > 0 and self.sync_s > 0
+        assert self.writers >= 1 and self.spend_sync_s > 0
         assert self.billing_port >= -1

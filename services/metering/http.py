@@ -17,7 +17,8 @@ class BillingServer:
         self.service = service
         self.app = create_billing_app(engine)
         self._server = uvicorn.Server(uvicorn.Config(self._asgi, host=host, port=port, log_level="warning",
-                                                     access_log=False, lifespan="off", loop="none"))
+                                                     access_log=False, lifespan="off", loop="none",
+                                                     interface="asgi3", proxy_headers=False))
         self._task: asyncio.Task[None] | None = None
         self.port = port
 

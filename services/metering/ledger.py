@@ -86,20 +86,43 @@ async def write_usage(engine: AsyncEngine, batch: Sequence[tuple[int, UsageEvent
     if not unique:
         return Written(0, len(rows), set())
     async with engine.begin() as conn:
-        insert = _insert(conn, Usage)
-        stmt = insert.on_conflict_do_nothing(index_elements=["request_id", "attempt"]).returning(
-            Usage.request_id, Usage.attempt)
-        result = await conn.execute(stmt, list(unique.values()))
-        new_keys = {(r[0], r[1]) for r in result.all()}
+        if conn.dialect.name == "postgresql":
+            new_keys = await _insert_unnest(conn, list(unique.values()))
+        else:
+            stmt = _insert(conn, Usage).on_conflict_do_nothing(index_elements=["request_id", "attempt"]).returning(
+                Usage.request_id, Usage.attempt)
+            new_keys = {(r[0], r[1]) for r in (await conn.execute(stmt, list(unique.values()))).all()}
         fresh = [unique[key] for key in new_keys]
-        sums = daily_sums(fresh, prices)
-        if sums:
+        sums = sorted(daily_sums(fresh, prices), key=lambda r: (r["team"], r["day"], r["model"], r["key_prefix"]))
+        if sums:  # in key order, so concurrent batches lock the same rows in the same order (no deadlock)
             daily = _insert(conn, UsageDaily)
             await conn.execute(daily.on_conflict_do_update(
                 index_elements=["team", "day", "model", "key_prefix"],
                 set_={name: getattr(UsageDaily, name) + getattr(daily.excluded, name) for name in SUMMED},
             ), sums)
     return Written(len(fresh), len(rows) - len(fresh), {row["team"] for row in fresh})
+
+
+# Postgres: one statement whose parameters are 18 arrays (unnest), instead of 18 parameters per row: the
+# server parses one small statement and asyncpg sends the columns in binary (~2x the rows per second).
+_USAGE_COLUMNS = (("request_id", "varchar"), ("attempt", "int4"), ("team", "varchar"), ("key_prefix", "varchar"),
+                  ("model", "varchar"), ("prompt_tokens", "int4"), ("cached_tokens", "int4"),
+                  ("completion_tokens", "int4"), ("cost_nano", "int8"), ("status", "varchar"),
+                  ("finish_reason", "varchar"), ("ttft_ms", "float8"), ("duration_ms", "float8"),
+                  ("worker_id", "varchar"), ("prefill_worker_id", "varchar"), ("trace_id", "varchar"),
+                  ("stream_seq", "int8"), ("created_at", "timestamptz"))
+_UNNEST_INSERT = (
+    f"INSERT INTO usage ({', '.join(name for name, _ in _USAGE_COLUMNS)}) "
+    f"SELECT * FROM unnest({', '.join(f'${i + 1}::{kind}[]' for i, (_, kind) in enumerate(_USAGE_COLUMNS))}) "
+    "ON CONFLICT (request_id, attempt) DO NOTHING RETURNING request_id, attempt"
+)
+
+
+async def _insert_unnest(conn: AsyncConnection, rows: list[dict]) -> set[tuple[str, int]]:
+    # Through SQLAlchemy, not the raw asyncpg connection: its BEGIN is sent lazily by the first statement
+    # it runs itself, so a raw statement here would autocommit outside the batch's transaction.
+    columns = tuple([row[name] for row in rows] for name, _ in _USAGE_COLUMNS)
+    return {(r[0], r[1]) for r in (await conn.exec_driver_sql(_UNNEST_INSERT, columns)).all()}
 
 
 def month_start(now: dt.datetime) -> dt.date:

@@ -36,6 +36,7 @@ from shared.usage import ensure_usage_stream
 
 log = logging.getLogger("infermesh.metering")
 UTC = dt.timezone.utc
+STOP_WAIT_S = 5.0
 
 
 class MeteringService:
@@ -52,7 +53,9 @@ class MeteringService:
         self.db_up = True
         self._sub: object = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._sync_now = asyncio.Event()
+        self._sync_now = asyncio.Event()  # keys changed: sync everything now
+        self._spend_moved = False  # usage committed: admission should hear of the new spend soon
+        self._stopping = False
         self._billing: object = None
         self.billing_port = 0
 
@@ -70,14 +73,20 @@ class MeteringService:
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=self.config.ack_wait_s,
                                   deliver_policy=DeliverPolicy.ALL, max_ack_pending=50_000, filter_subject=s.usage))
         self._keys_sub = await self.bus.nc.subscribe(s.keys_changed, cb=self._on_keys_changed)
-        self._tasks = [asyncio.create_task(self._consume(), name="metering-consume"),
-                       asyncio.create_task(self._sync_loop(), name="metering-sync")]
+        self._tasks = [asyncio.create_task(self._consume(), name=f"metering-consume-{i}")
+                       for i in range(self.config.writers)]  # one batch commits while the next is fetched
+        self._tasks.append(asyncio.create_task(self._sync_loop(), name="metering-sync"))
         if self.config.billing_port >= 0:
             await self._start_billing()
         log.info("metering: ledger %s, consumer %s", self.engine.url.render_as_string(hide_password=True),
                  self.config.consumer)
 
     async def stop(self) -> None:
+        """A clean stop: the batches being written commit and are acked (a bounded wait), then the rest stops."""
+        self._stopping = True
+        consumers = self._tasks[:-1]
+        if consumers:
+            await asyncio.wait(consumers, timeout=STOP_WAIT_S)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -102,7 +111,7 @@ class MeteringService:
     # ------------------------------------------------------------ usage -> ledger
     async def _consume(self) -> None:
         sub = self._sub
-        while True:
+        while not self._stopping:
             try:
                 msgs = await sub.fetch(self.config.batch_size, timeout=self.config.fetch_wait_s)  # type: ignore
             except nats.errors.TimeoutError:
@@ -141,7 +150,7 @@ class MeteringService:
                 assert self.views is not None
                 self.views.team_last_seq[event.team] = max(self.views.team_last_seq.get(event.team, 0), seq)
         if written.teams:
-            self._sync_now.set()  # admission hears of the new spend at once
+            self._spend_moved = True
 
     async def _until_database(self, step, what: str, hold: list[Msg] | None = None):  # type: ignore[no-untyped-def]
         """Run ``step`` until the database lets it; meanwhile keep ``hold``'s messages ours (in progress)."""
@@ -173,15 +182,25 @@ class MeteringService:
         self._sync_now.set()
 
     async def _sync_loop(self) -> None:
+        """Everything every ``sync_s`` or when keys changed; only spend, at most every ``spend_sync_s``, after
+        usage was committed (under load that is once per interval, not once per batch)."""
+        last_full = time.monotonic()
         while True:
             try:
-                await asyncio.wait_for(self._sync_now.wait(), self.config.sync_s)
+                await asyncio.wait_for(self._sync_now.wait(), self.config.spend_sync_s)
             except asyncio.TimeoutError:
                 pass
+            full = self._sync_now.is_set() or time.monotonic() - last_full >= self.config.sync_s
+            if not full and not self._spend_moved:
+                continue
             self._sync_now.clear()
+            self._spend_moved = False
             try:
-                await self._sync()
-                await asyncio.sleep(0.05)  # under load, at most ~20 syncs a second
+                if full:
+                    last_full = time.monotonic()
+                    await self._sync()
+                else:
+                    await self._sync_spend()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -190,13 +209,17 @@ class MeteringService:
 
     async def _sync(self) -> None:
         assert self.engine is not None and self.views is not None
-        now = dt.datetime.now(UTC)
         self.stats["key_changes"] += await self.views.sync_keys(await load_keys(self.engine))
         book = await load_prices(self.engine)
         if book != self.prices:
             self.prices = book
-        await self.views.sync_prices(self.prices, now.timestamp())
-        await self.views.sync_spend(self.engine, now, await self._through_seq())  # the floor first, then the sums
+        await self.views.sync_prices(self.prices, time.time())
+        await self._sync_spend()
+
+    async def _sync_spend(self) -> None:
+        assert self.engine is not None and self.views is not None
+        through = await self._through_seq()  # the floor first, then the sums: they hold at least that much
+        await self.views.sync_spend(self.engine, dt.datetime.now(UTC), through)
 
     async def _through_seq(self) -> int:
         """Every usage message up to this stream sequence is in the ledger (the consumer's ack floor)."""

@@ -19,7 +19,7 @@ from shared import schema
 from shared.bus import Bus
 from shared.kv_cas import ensure_bucket
 from shared.schema import ModelPrice, TeamSpend, UsageEvent
-from shared.usage import UsagePublisher
+from shared.usage import UsagePublisher, ensure_usage_stream
 from tests.utils import eventually
 
 pytestmark = pytest.mark.integration
@@ -142,3 +142,145 @@ async def test_spend_and_budget_reach_the_bus(metering):
     assert record.budget_nano == 1_500_000_000 and record.month == time.strftime("%Y-%m", time.gmtime())
     sheet = schema.decode((await kv.get("prices")).value, schema.PriceSheet)
     assert sheet.prices == {"m1": PRICE}
+
+
+# ------------------------------------------------------------ restarts and crashes (services built per test)
+@pytest.fixture
+async def ledger(ledger_url):
+    """The ledger with team alpha and m1's price, for tests that start and stop metering themselves."""
+    engine = create_engine(ledger_url)
+    await admin.create_team(engine, "alpha")
+    await admin.set_price(engine, "m1", "2", "0.5", "8")
+    yield engine
+    await engine.dispose()
+
+
+async def _start(nats_url: str, namespace: str, ledger_url: str, cls: type[MeteringService] = MeteringService,
+                 **config) -> MeteringService:
+    """A metering replica on a NATS connection of its own (the durable consumer is "metering" in every one)."""
+    bus = await Bus.connect(nats_url, namespace, "metering-test")
+    service = cls(bus, MeteringConfig(nats_url=nats_url, namespace=namespace, database_url=ledger_url,
+                                      billing_port=-1, sync_s=0.2, **config))
+    await service.start()
+    return service
+
+
+async def _stop(service: MeteringService) -> None:
+    await service.stop()
+    await service.bus.close()
+
+
+async def _drained(bus: Bus, consumer: str = "metering") -> bool:
+    """The durable consumer has nothing left to deliver and nothing delivered but unacked."""
+    info = await bus.js.consumer_info(bus.subjects.usage_stream, consumer)
+    return info.num_pending == 0 and info.num_ack_pending == 0
+
+
+def _expected(events: list[UsageEvent]) -> tuple[int, int, int, int]:
+    cost = sum(PRICE.cost_nano(e.prompt_tokens, e.cached_tokens, e.completion_tokens) for e in events)
+    return len(events), sum(e.completion_tokens for e in events), cost, cost
+
+
+async def test_metering_survives_its_own_restart(nats_url, namespace, ledger_url, ledger):
+    engine = ledger
+    bus = await Bus.connect(nats_url, namespace, "usage-test")
+    await ensure_usage_stream(bus)  # as an edge does: the usage is published before metering ever ran
+    publisher = UsagePublisher(bus, give_up_s=5)
+    events = [event(i) for i in range(400)]
+    for e in events[:200]:
+        assert await publisher.publish(e)
+    # Small batches, so the stop lands in the middle of the first half (a batch may be cut off mid-write or
+    # committed but not acked: ack_wait_s=1 brings those back to the next replica within a second).
+    first = await _start(nats_url, namespace, ledger_url, batch_size=10, ack_wait_s=1)
+    try:
+        await eventually(lambda: first.stats["inserted"] > 0, 20)
+    finally:
+        await _stop(first)
+    async with engine.connect() as conn:
+        at_stop = (await conn.execute(select(func.count()).select_from(Usage))).scalar()
+    assert 0 < at_stop <= 200  # some, not all: the second half is published only now, with metering down
+    for e in events[200:]:
+        assert await publisher.publish(e)
+    second = await _start(nats_url, namespace, ledger_url, batch_size=10, ack_wait_s=1)  # the same durable
+    try:
+        await eventually(lambda: _count(engine, 400), 30)
+        await eventually(lambda: _drained(bus), 30)  # redeliveries of the cut-off batch too have come and gone
+        assert await totals(engine) == _expected(events)
+        assert first.stats["inserted"] + second.stats["inserted"] == 400
+    finally:
+        await _stop(second)
+        await bus.close()
+
+
+class _Unacked:
+    """A message whose ack is lost: everything else (metadata, data, in_progress, term) is the real message's."""
+
+    def __init__(self, msg) -> None:
+        self._msg = msg
+
+    def __getattr__(self, name: str):
+        return getattr(self._msg, name)
+
+    async def ack(self) -> None:
+        pass
+
+
+class _CrashesAfterCommit(MeteringService):
+    """Metering that dies between commit and ack: the real ``_ingest`` (decode, write_usage's one transaction,
+    stats) runs on every batch, but the acks never reach JetStream, as if the process died right after the
+    commit. Only the ack is replaced, so the write path under test is the service's own."""
+
+    async def _ingest(self, msgs) -> None:
+        await super()._ingest([_Unacked(msg) for msg in msgs])
+
+
+async def test_a_crash_between_commit_and_ack_is_redelivered_and_counted_once(nats_url, namespace, ledger_url,
+                                                                             ledger):
+    engine = ledger
+    bus = await Bus.connect(nats_url, namespace, "usage-test")
+    await ensure_usage_stream(bus)  # as an edge does: the usage is published before metering ever ran
+    publisher = UsagePublisher(bus, give_up_s=5)
+    events = [event(i) for i in range(100)]
+    for e in events:
+        assert await publisher.publish(e)
+    crashing = await _start(nats_url, namespace, ledger_url, cls=_CrashesAfterCommit, ack_wait_s=1)
+    try:
+        await eventually(lambda: _count(engine, 100), 20)
+        await eventually(lambda: crashing.stats["inserted"] == 100, 5)
+    finally:
+        await _stop(crashing)
+    committed = await totals(engine)
+    assert committed == _expected(events)
+    info = await bus.js.consumer_info(bus.subjects.usage_stream, "metering")
+    assert info.num_ack_pending == 100  # committed, never acked: JetStream still owes them to someone
+
+    normal = await _start(nats_url, namespace, ledger_url, ack_wait_s=1)  # the same durable, acks as it should
+    try:
+        await eventually(lambda: normal.stats["duplicates"] >= 100, 20)
+        await eventually(lambda: _drained(bus), 20)
+        assert normal.stats["inserted"] == 0
+        assert await totals(engine) == committed
+    finally:
+        await _stop(normal)
+        await bus.close()
+
+
+async def test_a_batch_that_fails_midway_writes_nothing(ledger_url, monkeypatch):
+    """The usage rows and the daily sums commit together or not at all (a raw-driver insert once escaped the
+    transaction on Postgres: the rows stayed, the sums did not, and the redelivery counted as duplicates)."""
+    import services.metering.ledger as ledger
+
+    engine = create_engine(ledger_url)
+    book = PriceBook([("m1", 0.0, PRICE)])
+
+    def broken(*_args):
+        raise RuntimeError("the daily upsert fails")
+
+    monkeypatch.setattr(ledger, "daily_sums", broken)
+    with pytest.raises(RuntimeError):
+        await write_usage(engine, [(1, event(1)), (2, event(2))], book)
+    monkeypatch.undo()
+    assert await totals(engine) == (0, 0, 0, 0)
+    written = await write_usage(engine, [(1, event(1)), (2, event(2))], book)  # the redelivery counts in full
+    assert written.inserted == 2 and (await totals(engine))[2] == (await totals(engine))[3] > 0
+    await engine.dispose()
