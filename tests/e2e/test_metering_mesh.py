@@ -282,3 +282,22 @@ async def test_failed_after_tokens_is_billed_and_failed_before_any_token_is_not(
         assert len(await ledger_rows(ledger_url)) == 1 and mesh.meterings[0].stats["inserted"] == 1
     finally:
         await mesh.stop()
+
+
+@pytest.mark.parametrize("ledger_url", ["sqlite"], indirect=True)
+async def test_every_usage_row_carries_its_requests_trace_id(nats_url, namespace, tiny_model, ledger_url,
+                                                              span_exporter):
+    key = await team_key(ledger_url, "zeta")
+    mesh = await start_mesh(nats_url, namespace, tiny_model, ledger_url)
+    try:
+        client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key=key, max_retries=0)
+        replies = [await client.completions.create(model="tiny", prompt=[4, 5, i], max_tokens=3) for i in range(3)]
+        await eventually(lambda: mesh.meterings[0].stats["inserted"] >= 3, 10)
+        rows = await ledger_rows(ledger_url)
+        edge_spans = {s.attributes.get("infermesh.request_id"): s for s in span_exporter.get_finished_spans()
+                      if s.name == "POST /v1/completions"}
+        for reply in replies:
+            request_id = reply.id.removeprefix("cmpl-")
+            assert rows[request_id].trace_id == format(edge_spans[request_id].context.trace_id, "032x")
+    finally:
+        await mesh.stop()
