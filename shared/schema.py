@@ -278,6 +278,19 @@ class TeamSpend(Struct, frozen=True):
     through_seq: int  # every usage message up to this stream sequence is in spent_nano
 
 # ---------------------------------------------------------------- generation
+class Structured(Struct, frozen=True):
+    """Constrained decoding for one request (xgrammar), built by the edge from tools / response_format.
+
+    ``spec`` is JSON: an xgrammar structural tag (``kind="structural_tag"``, tool calls) or a JSON
+    schema (``kind="json_schema"``); empty for ``json_object`` (any JSON object). With
+    ``close_within`` > 0 the engine closes budget-aware: once no more than about that many tokens
+    of ``max_tokens`` remain inside an open structure, it steers to the grammar's shortest completion."""
+
+    kind: Literal["structural_tag", "json_schema", "json_object"]
+    spec: str = ""
+    close_within: int = 0
+
+
 class SamplingParams(Struct, frozen=True):
     max_tokens: int
     temperature: float = 1.0
@@ -287,6 +300,7 @@ class SamplingParams(Struct, frozen=True):
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    structured: Structured | None = None  # grammar-constrained output (tool calls, response_format)
 
 
 class KvTransfer(Struct, frozen=True):

@@ -27,11 +27,13 @@ from services.edge.keys import Caller
 from services.edge.mesh import EdgeMesh, Finished, RouteHints, StreamBroken, Tally
 from services.edge.protocol import (
     MAX_ID_LENGTH,
-    ChatCompletionRequest, CompletionRequest, InvalidRequest, Sampling, parse_body, validate_chat,
+    ChatCompletionRequest, ChatOutput, CompletionRequest, InvalidRequest, Sampling, parse_body, validate_chat,
     validate_completion,
 )
 from services.edge.tokenizer import ModelTokenizer
-from shared.schema import LeaseRelease, SamplingParams, UsageEvent
+from services.edge.tools import ContentDelta, ToolCallParser, build_constraint, make_parser
+from services.edge.tools.render import render_messages
+from shared.schema import LeaseRelease, SamplingParams, Structured, UsageEvent
 from shared.telemetry import tracer, tracing_enabled
 
 log = logging.getLogger("infermesh.edge")
@@ -78,10 +80,25 @@ class EdgeApi:
         return {"object": "list", "data": data}
 
     async def chat_completions(self, request: HttpRequest) -> Reply:
-        body, (messages, sampling) = self._validated(request, ChatCompletionRequest, validate_chat)
+        body, (messages, sampling, output) = self._validated(request, ChatCompletionRequest, validate_chat)
         info, tokenizer = await self._model(body.model)
+        fmt = self.config.tool_format(body.model)
+        tools = output.tools if output.tools is not None and output.tools.choice != "none" else None
+        if output.tools is not None or any("tool_calls" in m or m["role"] == "tool" for m in messages):
+            messages = render_messages(messages, tools.tools if tools else (), fmt)
+        structured = self._structured(fmt, output)
         return await self._serve(request, "chat", body, tokenizer.apply_chat_template(messages), sampling,
-                                 tokenizer, info.max_model_len)
+                                 tokenizer, info.max_model_len, structured,
+                                 (lambda prefix: make_parser(fmt, tools.tools, prefix)) if tools else None)
+
+    def _structured(self, fmt: str, output: ChatOutput) -> Structured | None:
+        """The grammar the engine enforces: the tools' structural tag and/or the response format's JSON."""
+        tools = output.tools if output.tools is not None and output.tools.choice != "none" else None
+        response_format = output.response_format if output.response_format.kind != "text" else None
+        constraint = build_constraint(fmt, tools, response_format)
+        if constraint is None:
+            return None
+        return Structured(constraint.kind, constraint.spec, self.config.tool_close_within)  # type: ignore[arg-type]
 
     async def completions(self, request: HttpRequest) -> Reply:
         body, (prompt, sampling) = self._validated(request, CompletionRequest, validate_completion)
@@ -108,7 +125,7 @@ class EdgeApi:
         return info, await self.mesh.tokenizer(info)
 
     def _engine_sampling(self, sampling: Sampling, num_prompt: int, max_len: int,
-                         tokenizer: ModelTokenizer) -> SamplingParams:
+                         tokenizer: ModelTokenizer, structured: Structured | None = None) -> SamplingParams:
         if sampling.max_tokens is None:
             if num_prompt >= max_len:
                 raise errors.context_length_exceeded(max_len, num_prompt, None)
@@ -120,17 +137,19 @@ class EdgeApi:
         return SamplingParams(
             max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
             stop_token_ids=tokenizer.stop_token_ids, presence_penalty=sampling.presence_penalty,
-            frequency_penalty=sampling.frequency_penalty, ignore_eos=sampling.ignore_eos,
+            frequency_penalty=sampling.frequency_penalty, ignore_eos=sampling.ignore_eos and structured is None,
+            structured=structured,
         )
 
     async def _serve(self, request: HttpRequest, kind: str, body: Any, prompt_ids: list[int], sampling: Sampling,
-                     tokenizer: ModelTokenizer, max_len: int) -> Reply:
+                     tokenizer: ModelTokenizer, max_len: int, structured: Structured | None = None,
+                     parser: Callable[[str], ToolCallParser] | None = None) -> Reply:
         model, stream = body.model, body.stream
         arrived = time.time()
         caller: Caller = request.caller
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         try:
-            params = self._engine_sampling(sampling, len(prompt_ids), max_len, tokenizer)
+            params = self._engine_sampling(sampling, len(prompt_ids), max_len, tokenizer, structured)
         except errors.ApiError as exc:
             if kind == "text":
                 exc.param = "prompt"
@@ -170,7 +189,7 @@ class EdgeApi:
         except BaseException:
             span.end()
             raise
-        shape = _Shape(kind, response_id, model)
+        shape = _Shape(kind, response_id, model, parser(request_id[:16]) if parser else None)
         if stream:
             return SseReply(self._sse_body(first, events, shape, include_usage, span))
         return await self._complete(first, events, shape, span)
@@ -237,7 +256,7 @@ class EdgeApi:
         finally:
             await events.aclose()
             span.end()
-        return JsonReply(200, _json.encode(shape.full("".join(parts), item)))
+        return JsonReply(200, _json.encode(shape.full(parts, item)))
 
     async def _sse_body(self, first: str | Finished, events: AsyncIterator[str | Finished], shape: "_Shape",
                         include_usage: bool, span: trace.Span) -> AsyncIterator[bytes]:
@@ -247,11 +266,13 @@ class EdgeApi:
         try:
             item = first
             while not isinstance(item, Finished):
-                yield head + _sse(shape.chunk(item, None, include_usage))
-                head = b""
+                out = shape.text_chunks(item, include_usage)
+                if out:
+                    yield head + out
+                    head = b""
                 item = await events.__anext__()
             _record(span, item)
-            tail = _sse(shape.chunk(None, item.finish_reason, include_usage))
+            tail = shape.closing_chunks(item.finish_reason, include_usage)
             if include_usage:
                 tail += _sse(shape.usage_chunk(item))
         except StreamBroken as exc:
@@ -301,21 +322,36 @@ def _record(span: trace.Span, done: Finished) -> None:
 
 
 class _Shape:
-    """The JSON shapes of one response: chat.completion(.chunk) or text_completion."""
+    """The JSON shapes of one response: chat.completion(.chunk) or text_completion.
 
-    def __init__(self, kind: str, response_id: str, model: str) -> None:
+    With tools, the model's text goes through the tool-call parser, the same way streamed or not: a
+    streamed response sends its deltas (content, or a tool call's id + name, then arguments pieces),
+    a whole one their concatenation, so the two always agree (truncated calls included)."""
+
+    def __init__(self, kind: str, response_id: str, model: str, parser: ToolCallParser | None = None) -> None:
         self.kind = kind
         self.id = response_id
         self.model = model
         self.created = int(time.time())
+        self.parser = parser
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, text: str, done: Finished) -> dict[str, Any]:
+    def full(self, parts: list[str], done: Finished) -> dict[str, Any]:
+        text = "".join(parts)
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": done.finish_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            finish_reason = done.finish_reason
+            if self.parser is not None:
+                for part in parts:  # the same deltas a stream would have fed
+                    self.parser.feed(part)
+                _, result = self.parser.finish(done.finish_reason)
+                message = {"role": "assistant", "content": result.content}
+                if result.tool_calls:
+                    message["tool_calls"] = result.tool_calls
+                finish_reason = result.finish_reason
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
             return {**self._head("chat.completion"), "choices": [choice], "usage": _usage(done)}
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason}
         return {**self._head("text_completion"), "choices": [choice], "usage": _usage(done)}
@@ -334,6 +370,29 @@ class _Shape:
         if include_usage:
             payload["usage"] = None
         return payload
+
+    def text_chunks(self, text: str, include_usage: bool) -> bytes:
+        """SSE events for a text delta: as it is, or what the tool-call parser makes of it (maybe nothing yet)."""
+        if self.parser is None:
+            return _sse(self.chunk(text, None, include_usage))
+        return self._delta_events(self.parser.feed(text), include_usage)
+
+    def closing_chunks(self, finish_reason: str, include_usage: bool) -> bytes:
+        if self.parser is None:
+            return _sse(self.chunk(None, finish_reason, include_usage))
+        deltas, result = self.parser.finish(finish_reason)
+        return self._delta_events(deltas, include_usage) + _sse(self.chunk(None, result.finish_reason, include_usage))
+
+    def _delta_events(self, deltas: list, include_usage: bool) -> bytes:
+        out = []
+        for delta in deltas:
+            if isinstance(delta, ContentDelta):
+                out.append(_sse(self.chunk(delta.text, None, include_usage)))
+            else:
+                chunk = self.chunk(None, None, include_usage)
+                chunk["choices"][0]["delta"] = {"tool_calls": [delta.to_openai()]}
+                out.append(_sse(chunk))
+        return b"".join(out)
 
     def usage_chunk(self, done: Finished) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"

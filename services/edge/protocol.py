@@ -14,6 +14,9 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from services.edge.tools import (ResponseFormat, ToolRequestError, ToolSpec, validate_response_format,
+                                 validate_tool_messages, validate_tools)
+
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
@@ -71,6 +74,7 @@ class ChatCompletionRequest(_Common, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: Any = None
     response_format: dict[str, Any] | None = None
 
 
@@ -144,17 +148,28 @@ def _check_common(req: _Common) -> Sampling:
     )
 
 
-def validate_chat(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], Sampling]:
-    """Normalized messages (content as plain text) and sampling options."""
+@dataclass(slots=True)
+class ChatOutput:
+    """What a chat request asks of its output: tools (None: none declared) and a response format."""
+
+    tools: ToolSpec | None
+    response_format: ResponseFormat
+
+
+def validate_chat(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], Sampling, ChatOutput]:
+    """Normalized messages (content as plain text; assistant ``tool_calls`` and ``tool_call_id`` kept),
+    sampling options, and the tools / response format (each validated: a bad one is a 400 naming it)."""
     sampling = _check_common(req)
     if req.max_completion_tokens is not None:
         sampling.max_tokens = req.max_completion_tokens
     if not req.messages:
         raise InvalidRequest("'messages' must contain at least one message.", param="messages")
-    if req.tools:
-        raise InvalidRequest("tools are not supported yet.", param="tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise InvalidRequest("Only response_format type 'text' is supported yet.", param="response_format")
+    try:
+        output = ChatOutput(validate_tools(req.tools, req.tool_choice, req.parallel_tool_calls),
+                            validate_response_format(req.response_format))
+        validate_tool_messages(req.messages)
+    except ToolRequestError as exc:
+        raise InvalidRequest(exc.message, param=exc.param) from exc
     messages: list[dict[str, Any]] = []
     for i, message in enumerate(req.messages):
         content = message.content
@@ -166,8 +181,13 @@ def validate_chat(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], Sam
                                          param=f"messages[{i}].content[{j}].type")
                 texts.append(part.text)
             content = "".join(texts)
-        messages.append({"role": message.role, "content": content or ""})
-    return messages, sampling
+        normalized: dict[str, Any] = {"role": message.role, "content": content or ""}
+        if message.tool_calls:
+            normalized["tool_calls"] = message.tool_calls
+        if message.tool_call_id is not None:
+            normalized["tool_call_id"] = message.tool_call_id
+        messages.append(normalized)
+    return messages, sampling, output
 
 
 def validate_completion(req: CompletionRequest) -> tuple[str | list[int], Sampling]:

@@ -58,9 +58,10 @@ def run_completion(body: bytes):
                         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_audio"}]}]),
          "messages[1].content[1].type"),
         (chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), "messages[0].content[0].type"),
-        (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+        (chat(tools=[{"type": "function", "function": {"name": "bad name"}}]), "tools[0].function.name"),
+        (chat(tool_choice="required"), "tool_choice"),
         (chat(logprobs=True), "logprobs"),
-        (chat(response_format={"type": "json_object"}), "response_format"),
+        (chat(response_format={"type": "xml"}), "response_format.type"),
         (chat(presence_penalty=2.5), "presence_penalty"),
     ],
 )

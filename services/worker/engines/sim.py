@@ -8,7 +8,9 @@ timings (``ttft_ms`` per prefill step plus ``prefill_us_per_token``, ``itl_ms`` 
 decode step) keep mesh tests and the overhead benchmark independent of batching costs.
 
 Tokens are drawn from the prompt with a seeded RNG (sim_worker.token_rng): identical
-requests get identical output. ``stream_interval`` coalesces tokens the way vLLM's
+requests get identical output. A request with ``sampling.structured`` draws, with the same
+RNG, among the tokens its grammar allows (grammar.ConstrainedDecoder, closing budget-aware)
+and ends when the grammar accepts a stop token; that needs ``tokenizer`` (the model path). ``stream_interval`` coalesces tokens the way vLLM's
 ``--stream-interval`` does: the first token goes out at once, then every N tokens and at
 the end. KV events come from the block pool after every step, exactly as it changed.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 from services.worker.engines.base import Engine, EngineLoad, EngineOutput, EngineRequestError, EngineSpec
 from services.worker.engines.block_pool import hash_block
@@ -26,6 +28,9 @@ from services.worker.engines.cost_model import CostModel, load_profile
 from services.worker.engines.scheduler import SimRequest
 from services.worker.engines.sim_worker import SimWorker, SimWorkerConfig, draw_token, token_rng
 from shared.schema import KvEvent, KvTransfer, SamplingParams
+
+if TYPE_CHECKING:
+    from services.worker.engines.grammar import ConstrainedDecoder, GrammarCache
 
 
 class SimulatedFault(RuntimeError):
@@ -119,6 +124,7 @@ class SimEngine(Engine):
         self._kv_events: asyncio.Queue[list[KvEvent]] = asyncio.Queue()
         self._runner: asyncio.Task[None] | None = None
         self._t0 = 0.0
+        self._grammars: GrammarCache | None = None  # made on the first structured request
 
     def now(self) -> float:
         """Simulated seconds since start."""
@@ -150,10 +156,14 @@ class SimEngine(Engine):
         if self.config.fail_rate and self._faults.random() < self.config.fail_rate:
             raise SimulatedFault(f"injected failure of {request_id} (fail_rate {self.config.fail_rate})")
         stop_ids = frozenset() if sampling.ignore_eos else frozenset(sampling.stop_token_ids)
+        decoder = None
+        if sampling.structured is not None:
+            decoder = await self._decoder(sampling)
+            stop_ids = frozenset(decoder.stop_token_ids)  # the grammar ends only on these
         request = SimRequest(request_id, list(prompt_token_ids), sampling.max_tokens, stop_ids, arrival_t=self.now(),
                              remote_kv=kv_transfer is not None, extra=(cache_salt,) if cache_salt else ())
         try:
-            self.worker.add(request, seed=sampling.seed)
+            self.worker.add(request, seed=sampling.seed, decoder=decoder)
         except ValueError as exc:
             raise EngineRequestError(str(exc)) from None
         stream = _Stream(request)
@@ -168,6 +178,22 @@ class SimEngine(Engine):
         finally:
             if self._streams.pop(request_id, None) is not None and request.finish_reason is None:
                 self.worker.abort(request_id)  # the consumer went away
+
+    async def _decoder(self, sampling: SamplingParams) -> ConstrainedDecoder:
+        """The request's grammar state; the tokenizer and compilation run off the event loop."""
+        from services.worker.engines.grammar import ConstrainedDecoder, GrammarCache
+
+        assert sampling.structured is not None
+        if not self.config.tokenizer:
+            raise EngineRequestError("structured output needs the sim engine's tokenizer (model_path)")
+        if self._grammars is None:
+            self._grammars = await asyncio.to_thread(GrammarCache, self.config.tokenizer)
+        try:
+            compiled = await asyncio.to_thread(self._grammars.compile, sampling.structured)
+        except ValueError as exc:
+            raise EngineRequestError(str(exc)) from None
+        return ConstrainedDecoder(compiled, sampling.max_tokens, sampling.structured.close_within,
+                                  sampling.stop_token_ids)
 
     async def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 import zlib
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import msgspec
 
@@ -29,6 +29,9 @@ from services.worker.engines.base import EngineLoad
 from services.worker.engines.block_pool import BlockPool, hash_block
 from services.worker.engines.cost_model import CostModel, Profile
 from services.worker.engines.scheduler import ScheduledBatch, Scheduler, SimRequest
+
+if TYPE_CHECKING:
+    from services.worker.engines.grammar import ConstrainedDecoder
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -81,6 +84,19 @@ def draw_token(rng: random.Random, prompt_token_ids: list[int]) -> int:
     return prompt_token_ids[rng.randrange(len(prompt_token_ids))]
 
 
+def draw_constrained(decoder: ConstrainedDecoder, rng: random.Random, prompt_token_ids: list[int],
+                     remaining: int) -> int:
+    """One output token under a grammar: the closing token when the budget is short, else a seeded
+    draw among the allowed tokens, biased to the prompt's. The decoder has accepted it on return."""
+    from services.worker.engines.grammar import choose
+
+    token = decoder.forced_token(remaining)
+    if token is None:
+        token = choose(decoder.mask(), prompt_token_ids, rng)
+    decoder.accept(token)
+    return token
+
+
 class SimWorker:
     """A simulated engine instance; ``begin_step``/``end_step`` move it forward one batch at a time."""
 
@@ -96,20 +112,27 @@ class SimWorker:
                               record_events=config.record_events)
         self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, config.max_num_seqs)
         self._rngs: dict[str, random.Random] = {}
+        self._decoders: dict[str, ConstrainedDecoder] = {}  # requests decoding under a grammar
         self.busy = False  # a step is in flight
         self.num_steps = 0
         self.busy_s = 0.0
 
     # ------------------------------------------------------------ requests
-    def add(self, request: SimRequest, seed: int | None = None) -> None:
-        """Queue a request (ValueError if it could never fit); a prefill worker makes one token only."""
+    def add(self, request: SimRequest, seed: int | None = None, decoder: ConstrainedDecoder | None = None) -> None:
+        """Queue a request (ValueError if it could never fit); a prefill worker makes one token only.
+
+        With a ``decoder`` its tokens follow the grammar; it finishes when the grammar accepts a stop
+        token, so ``request.stop_token_ids`` should be the decoder's."""
         if self.config.role == "prefill":
             request.max_tokens = 1
         self.scheduler.add(request)
         self._rngs[request.request_id] = token_rng(request.prompt_token_ids, seed)
+        if decoder is not None:
+            self._decoders[request.request_id] = decoder
 
     def abort(self, request_id: str) -> SimRequest | None:
         self._rngs.pop(request_id, None)
+        self._decoders.pop(request_id, None)
         return self.scheduler.abort(request_id)
 
     def kv_ready(self, request: SimRequest, epoch: int) -> None:
@@ -157,13 +180,20 @@ class SimWorker:
         produced: list[tuple[SimRequest, int]] = []
 
         def sample(request: SimRequest) -> int:
-            token = draw_token(self._rngs[request.request_id], request.prompt_token_ids)
+            rng = self._rngs[request.request_id]
+            decoder = self._decoders.get(request.request_id)
+            if decoder is None:
+                token = draw_token(rng, request.prompt_token_ids)
+            else:
+                remaining = request.max_tokens - len(request.output_token_ids)
+                token = draw_constrained(decoder, rng, request.prompt_token_ids, remaining)
             produced.append((request, token))
             request.token_times.append(now)
             return token
 
         for request in self.scheduler.postprocess(step.batch, sample):
             self._rngs.pop(request.request_id, None)
+            self._decoders.pop(request.request_id, None)
             if self.config.role == "prefill":
                 request.finish_reason = "remote"
         return produced

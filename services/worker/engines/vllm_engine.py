@@ -3,6 +3,12 @@
 Token ids in, token ids out: the edge owns templating and detokenization, so the
 engine runs with ``detokenize=False`` and streams DELTA outputs. On CPU it always
 runs eager (compiled mode takes minutes to start) and can be pinned to one core.
+
+``SamplingParams.structured`` maps to vLLM's per-request structured outputs (xgrammar):
+json_schema -> ``StructuredOutputsParams(json=)``, json_object -> ``json_object=True``,
+structural_tag -> ``structural_tag=``; with ``close_within`` > 0 the request also opts into
+budget-aware closing through ``extra_args`` (a custom logits processor). Details and the
+order of vLLM's grammar bitmask vs logits processors: ``vllm_closing``.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from services.worker.engines.base import Engine, EngineLoad, EngineOutput, Engin
 from shared.schema import KvTransfer, SamplingParams
 
 log = logging.getLogger("infermesh.worker.vllm")
+# by name (FQCN): the engine core process imports it; importing it here would pull in vLLM
+_CLOSING_PROCESSOR = "services.worker.engines.vllm_closing:BudgetClosingLogitsProcessor"
 
 
 @dataclass(slots=True)
@@ -30,6 +38,12 @@ class VllmEngineConfig:
     cpu_core: int = -1
     enable_prefix_caching: bool = True
     kv_events: bool = True  # bridge vLLM's KV cache events (ZMQ) to the worker's kv_events()
+    # register vllm_closing.BudgetClosingLogitsProcessor: budget-aware closing for requests whose
+    # Structured has close_within > 0 (costs nothing per step when no request in the batch uses it)
+    budget_closing: bool = True
+    # compact JSON for json_schema / json_object (no whitespace runs that eat the budget of a weak model);
+    # structural tags set their own whitespace (xgrammar's JSONSchemaFormat.max_whitespace_cnt)
+    json_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         assert self.model_path, "the vllm engine needs --model-path (a local model folder)"
@@ -60,7 +74,7 @@ class VllmEngine(Engine):
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(c.kv_cache_gib)))
         if c.cpu_core >= 0:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(c.cpu_core)
-        from vllm.config import KVEventsConfig
+        from vllm.config import KVEventsConfig, StructuredOutputsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -75,6 +89,11 @@ class VllmEngine(Engine):
             model=c.model_path, served_model_name=c.model, enforce_eager=True, max_model_len=c.max_model_len,
             block_size=c.block_size or None, enable_prefix_caching=c.enable_prefix_caching,
             kv_cache_dtype=c.kv_cache_dtype, disable_log_stats=True, kv_events_config=kv_events_config,
+            # xgrammar only (auto would fall back to guidance/outlines, which the closing processor's
+            # xgrammar matcher could not mirror): unsupported schemas are rejected per request
+            structured_outputs_config=StructuredOutputsConfig(
+                backend="xgrammar", disable_any_whitespace=not c.json_any_whitespace),
+            logits_processors=[_CLOSING_PROCESSOR] if c.budget_closing else None,
         )
         self._llm = AsyncLLM.from_engine_args(args)
         vllm_config = self._llm.vllm_config
@@ -102,11 +121,18 @@ class VllmEngine(Engine):
         from vllm import SamplingParams as VllmSampling
         from vllm.sampling_params import RequestOutputKind
 
+        structured_outputs, extra_args = None, None
+        if sampling.structured is not None:
+            from services.worker.engines.vllm_closing import closing_extra_args, structured_outputs_params
+
+            structured_outputs = structured_outputs_params(sampling.structured)
+            extra_args = closing_extra_args(sampling.structured) if self.config.budget_closing else None
         return VllmSampling(
             max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             seed=sampling.seed, stop_token_ids=list(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
             presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
             detokenize=False, output_kind=RequestOutputKind.DELTA,
+            structured_outputs=structured_outputs, extra_args=extra_args,
         )
 
     async def generate(

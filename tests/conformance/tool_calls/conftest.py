@@ -1,0 +1,81 @@
+"""A mesh (router + one worker + edge, no admission) per engine: the sim engine, and the vLLM CPU engine on the
+tiny random-weight model (marked vllm and slow; started only when a test selecting it runs)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+
+import openai
+import pytest
+import pytest_asyncio
+
+from infermesh.local import LocalMesh
+from tests.utils import eventually
+
+MODEL = "tiny"
+ENGINES = [pytest.param("sim", id="sim"),
+           pytest.param("vllm", id="vllm", marks=[pytest.mark.vllm, pytest.mark.slow])]
+
+
+@dataclass
+class Mesh:
+    engine: str
+    mesh: LocalMesh
+    client: openai.AsyncOpenAI  # the edge with budget-aware closing (tool_close_within 128)
+    client_off: openai.AsyncOpenAI  # an edge with it off (tool_close_within 0)
+    model: str = MODEL
+
+    @property
+    def seeds(self) -> range:
+        """Seeds per check: the vLLM engine on one core is much slower than the sim."""
+        return range(6) if self.engine == "sim" else range(2)
+
+    @property
+    def base_url(self) -> str:
+        return self.mesh.base_url
+
+    @property
+    def key(self) -> str:
+        return self.mesh.dev_key
+
+
+async def start_tool_mesh(nats_url: str, engine: str, model_path: str, close_within: tuple[int, ...] = (128,),
+                          max_model_len: int = 8192) -> LocalMesh:
+    """Router, one ``engine`` worker and one edge per ``close_within`` value (tool_close_within)."""
+    mesh = LocalMesh(nats_url, f"tc{uuid.uuid4().hex[:8]}")
+    await mesh.start_router()
+    if engine == "sim":
+        await mesh.start_worker(worker_id="sim-0", engine="sim", model=MODEL, model_path=model_path,
+                                max_model_len=max_model_len, block_size=16, num_kv_blocks=16384,
+                                sim_ttft_ms=0.5, sim_itl_ms=0.0, heartbeat_ttl_s=60.0)
+    else:
+        saved = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")}
+        try:
+            await mesh.start_worker(worker_id="vllm-0", engine="vllm", model=MODEL, model_path=model_path,
+                                    max_model_len=min(max_model_len, 2048), cpu_core=0, heartbeat_ttl_s=60.0)
+        finally:  # the engine core has its copy; don't leak the pinning into other tests
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    for value in close_within:
+        await mesh.start_edge(admission=False, tool_close_within=value)
+    for edge in mesh.edges:
+        await eventually(edge.mesh.is_ready, 60)
+    return mesh
+
+
+@pytest_asyncio.fixture(scope="session", params=ENGINES, loop_scope="session")
+async def tool_mesh(request: pytest.FixtureRequest, nats_url: str, tiny_model) -> Mesh:
+    mesh = await start_tool_mesh(nats_url, request.param, str(tiny_model), close_within=(128, 0))
+    clients = [openai.AsyncOpenAI(base_url=mesh.url_of(i), api_key=mesh.dev_key, max_retries=0, timeout=300)
+               for i in range(2)]
+    try:
+        yield Mesh(request.param, mesh, *clients)
+    finally:
+        for client in clients:
+            await client.close()
+        await mesh.stop()
