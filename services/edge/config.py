@@ -24,7 +24,7 @@ class EdgeConfig(BusConfig):
     admission: bool = True  # no lease, no request (needs an admission service; tests may run without)
     tool_call_format: str = "hermes"  # how models write tool calls: hermes (Hermes/Qwen) or glm
     tool_call_formats: str = ""  # per-model overrides, "model=glm,other=hermes"
-    tool_close_within: int = 128  # budget-aware closing: steer open calls shut within this many tokens (0: off)
+    tool_close_within: int = 128  # budget-aware closing: watch the last this many tokens (0: off); must exceed the closing length
     admission_wait_s: float = 10.0  # how long a request may wait in admission's queue before a 429  # no X-Session-Id header: use the body's ``user`` field as the session id
 
     def team_keys(self) -> dict[str, str]:

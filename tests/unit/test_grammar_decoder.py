@@ -189,3 +189,17 @@ async def test_sim_engine_emits_schema_valid_output(tiny_model) -> None:
             [out async for out in eng.generate("bad", prompt, bad)]
     finally:
         await eng.stop()
+
+
+def test_special_tokens_other_than_stop_tokens_are_never_allowed(tiny_model):
+    """xgrammar reads "<s>" as three characters a string may hold; the edge's detokenizer drops it, so the
+    client would get "" where the grammar checked three characters (seen on vLLM: minLength 3 -> "")."""
+    cache = GrammarCache(str(tiny_model))
+    structured = Structured("json_schema", json.dumps({"type": "string", "pattern": '^[^\\x00-\\x1f"\\\\]{3,3}$'}))
+    decoder = cache.decoder(structured, 64, [cache.tokenizer.eos_token_id])
+    specials = [t for t in cache.special_token_ids if t != cache.tokenizer.eos_token_id]
+    assert specials and decoder.banned_token_ids == specials
+    decoder.accept(cache.tokenizer.convert_tokens_to_ids('"'))  # into the string, where "<s>" fits the pattern
+    allowed = decoder.mask().numpy().reshape(-1)
+    assert all(not (allowed[t >> 5] >> (t & 31)) & 1 for t in specials)
+    assert any((allowed[t >> 5] >> (t & 31)) & 1 for t in range(cache.tokenizer_info.vocab_size))

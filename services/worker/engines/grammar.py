@@ -58,6 +58,7 @@ import hashlib
 import json
 import random
 import threading
+from collections.abc import Sequence
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -211,6 +212,7 @@ class GrammarCache:
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             self.tokenizer, vocab_size=vocab_size or len(self.tokenizer))
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=False)
+        self.special_token_ids: list[int] = sorted(self.tokenizer.all_special_ids)  # banned under a grammar
         self.vocab = TokenVocab.from_tokenizer_info(self.tokenizer_info)
         self.max_entries = max_entries
         self.any_whitespace = any_whitespace  # False: one space after ':' and ',' (no whitespace loops)
@@ -257,7 +259,8 @@ class GrammarCache:
 
     def decoder(self, structured: Structured, max_tokens: int, stop_token_ids: list[int] | None = None,
                 ) -> ConstrainedDecoder:
-        return ConstrainedDecoder(self.compile(structured), max_tokens, structured.close_within, stop_token_ids)
+        return ConstrainedDecoder(self.compile(structured), max_tokens, structured.close_within, stop_token_ids,
+                                  banned_token_ids=self.special_token_ids)
 
 
 class ConstrainedDecoder:
@@ -269,7 +272,8 @@ class ConstrainedDecoder:
 
     def __init__(self, compiled: xgr.CompiledGrammar, max_tokens: int, close_within: int = 0,
                  stop_token_ids: list[int] | None = None, *, vocab: TokenVocab | None = None,
-                 end_strings: tuple[str, ...] | None = None, margin: int = 3, max_dry_run: int = 256) -> None:
+                 end_strings: tuple[str, ...] | None = None, margin: int = 3, max_dry_run: int = 256,
+                 banned_token_ids: Sequence[int] = ()) -> None:
         assert max_tokens > 0 and close_within >= 0 and margin >= 0
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids) if stop_token_ids
                                           else None)
@@ -290,6 +294,17 @@ class ConstrainedDecoder:
         self._scratch = xgr.allocate_token_bitmask(1, size)
         self._scratch_bits = self._scratch.numpy().reshape(-1)
         self._mask_at = -1  # num_accepted when self.bitmask was last filled
+        # Special tokens other than the stop tokens (<s>, <pad>, ...): xgrammar matches their literal text
+        # ("<s>" is three characters of a string), but the edge's detokenizer drops them, so the text the
+        # client gets would not be the text the grammar checked. They are never allowed under a grammar.
+        self.banned_token_ids = sorted(set(banned_token_ids) - set(self.stop_token_ids))
+        self._allowed_words: np.ndarray | None = None
+        if self.banned_token_ids:
+            words = np.full(self._bits.shape, -1, dtype=np.int32)
+            for token in self.banned_token_ids:
+                if token < size:
+                    words[token >> 5] &= np.int32(~(1 << (token & 31)) if (token & 31) != 31 else 0x7FFFFFFF)
+            self._allowed_words = words
         self._lexer = (False, False)  # JSON string state of the text since the last free-text point
         self.num_accepted = 0
         self.closing = False
@@ -304,6 +319,8 @@ class ConstrainedDecoder:
             self.matcher.fill_next_token_bitmask(self.bitmask)
             if self._tail_bits:  # xgrammar may set the padding bits past the vocabulary
                 self._bits[-1] &= self._tail_bits
+            if self._allowed_words is not None:
+                self._bits &= self._allowed_words
             if self._lexer[0] and not self._stop_allowed(self._bits):
                 # xgrammar 0.2.8 lets raw control characters into strings with maxLength/minLength
                 # ([^"\\\r\n] instead of [^\0-\x1f"\\]), which json.loads rejects

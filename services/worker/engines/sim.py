@@ -193,7 +193,7 @@ class SimEngine(Engine):
         except ValueError as exc:
             raise EngineRequestError(str(exc)) from None
         return ConstrainedDecoder(compiled, sampling.max_tokens, sampling.structured.close_within,
-                                  sampling.stop_token_ids)
+                                  sampling.stop_token_ids, banned_token_ids=self._grammars.special_token_ids)
 
     async def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)

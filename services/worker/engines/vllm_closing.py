@@ -113,9 +113,8 @@ def structured_outputs_params(structured: Structured) -> StructuredOutputsParams
 
 
 def closing_extra_args(structured: Structured) -> dict[str, Any] | None:
-    """extra_args that opt a request into budget-aware closing (None when close_within is 0)."""
-    if structured.close_within <= 0:
-        return None
+    """extra_args that hand the request's grammar to the processor: it bans special tokens under every
+    grammar, and closes budget-aware when close_within > 0."""
     return {EXTRA_KEY: {"kind": structured.kind, "spec": structured.spec, "close_within": structured.close_within}}
 
 
@@ -198,7 +197,7 @@ class BudgetClosingLogitsProcessor(LogitsProcessor):
 
     def _new_row(self, params: VllmSampling, _prompt: list[int] | None, output_ids: list[int]) -> _Row | None:
         spec = (params.extra_args or {}).get(EXTRA_KEY)
-        if spec is None or not spec.get("close_within"):
+        if spec is None:
             return None
         from services.worker.engines.grammar import ConstrainedDecoder, GrammarCache
 
@@ -211,7 +210,8 @@ class BudgetClosingLogitsProcessor(LogitsProcessor):
         try:
             compiled = self._compile(structured)
             decoder = ConstrainedDecoder(compiled, max_tokens, structured.close_within,
-                                         sorted(params.all_stop_token_ids), vocab=self._cache.vocab)
+                                         sorted(params.all_stop_token_ids), vocab=self._cache.vocab,
+                                         banned_token_ids=self._cache.special_token_ids)
         except Exception:  # vLLM compiled the same spec already; this should not fail
             log.exception("budget closing: cannot build the request's decoder; not tracked")
             return None
@@ -225,6 +225,8 @@ class BudgetClosingLogitsProcessor(LogitsProcessor):
         if not self._rows:
             return logits
         for index, row in self._rows.items():
+            if row.decoder.banned_token_ids:  # xgrammar reads "<s>" as text; the edge would drop it
+                logits[index, row.decoder.banned_token_ids] = float("-inf")
             if row.dead or not row.sync() or row.decoder.is_terminated():
                 continue
             token = row.decoder.forced_token(row.max_tokens - row.num_accepted)

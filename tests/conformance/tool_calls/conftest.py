@@ -23,7 +23,7 @@ ENGINES = [pytest.param("sim", id="sim"),
 class Mesh:
     engine: str
     mesh: LocalMesh
-    client: openai.AsyncOpenAI  # the edge with budget-aware closing (tool_close_within 128)
+    client: openai.AsyncOpenAI  # the edge with budget-aware closing (tool_close_within 128, the default)
     client_off: openai.AsyncOpenAI  # an edge with it off (tool_close_within 0)
     model: str = MODEL
 
