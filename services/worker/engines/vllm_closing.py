@@ -229,8 +229,14 @@ class BudgetClosingLogitsProcessor(LogitsProcessor):
                 logits[index, row.decoder.banned_token_ids] = float("-inf")
             if row.dead or not row.sync() or row.decoder.is_terminated():
                 continue
-            token = row.decoder.forced_token(row.max_tokens - row.num_accepted)
+            remaining = row.max_tokens - row.num_accepted
+            token = row.decoder.forced_token(remaining)
             if token is None:
+                if remaining <= row.decoder.close_within:
+                    # Inside the window the decoder's own mask also drops openers (`,` `{` `[` starting more
+                    # structure) whose closing would no longer fit: vLLM's grammar mask alone allows them, and
+                    # a sampled `,{` late in an array was what cut calls the sim closed.
+                    _apply_mask(logits, index, row.decoder.mask())
                 continue
             value = logits[index, token].item()
             if math.isinf(value) and value < 0:
@@ -241,3 +247,12 @@ class BudgetClosingLogitsProcessor(LogitsProcessor):
             logits[index, token] = value
             row.forced += 1
         return logits
+
+
+def _apply_mask(logits: torch.Tensor, index: int, bitmask: torch.Tensor) -> None:
+    """-inf for every token of row ``index`` the int32 bitmask does not allow (the vocab may be padded)."""
+    words = bitmask.reshape(-1)
+    size = min(logits.shape[-1], words.numel() * 32)
+    bits = (words.repeat_interleave(32)[:size] >> torch.arange(32, dtype=torch.int32).repeat(words.numel())[:size]) & 1
+    row = logits[index, :size]
+    row.masked_fill_(bits.to(row.device) == 0, float("-inf"))

@@ -43,12 +43,7 @@ def _neighbours(name: str, k: int = 2) -> list[dict]:
 
 
 @pytest.mark.parametrize("feature", sorted(FEATURES))
-async def test_schema_features(tool_mesh, feature, request):
-    if tool_mesh.engine == "vllm" and feature == "nested":
-        # Open bug (issue 6): on vLLM, place_order's call is cut at max_tokens 384 although budget-aware
-        # closing is on (seen: `"shipping_address":{"city":"","country":""` then the budget ends, the same
-        # with close_within 128 and 256); the sim closes the same schema. Not strict: it may pass by seed.
-        request.applymarker(pytest.mark.xfail(reason="vLLM budget-aware closing cuts place_order", strict=False))
+async def test_schema_features(tool_mesh, feature):
     for name in FEATURES[feature]:
         tools = _neighbours(name) if tool_mesh.engine == "sim" else _neighbours(name, 0)  # vLLM: 2,048 context
         answers = await asyncio.gather(*(ask(tool_mesh.client, stream=False, tools=tools, tool_choice=named(name),
