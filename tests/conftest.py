@@ -66,7 +66,7 @@ async def ledger_url(request: pytest.FixtureRequest) -> AsyncIterator[str]:
 
     try:
         url, drop = await fresh_database(request.param)
-    except OSError as exc:
+    except OSError as exc:  # justified: only a developer box without Postgres lands here; CI's machine has one
         pytest.skip(f"no {request.param} server to test on: {exc}")
     try:
         await migrate(url)

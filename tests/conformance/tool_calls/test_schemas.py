@@ -91,7 +91,8 @@ async def test_strings_come_back_byte_for_byte(tool_mesh):
 async def test_corpus_500_calls_all_valid(tool_mesh):
     """>= 500 calls over >= 50 schemas (10 seeds each, tool_choice named, half of them streamed): every
     argument validates (jsonschema Draft 2020-12), no undeclared name, no cut call."""
-    if tool_mesh.engine != "sim":
+    if tool_mesh.engine != "sim":  # justified: 570 calls on one pinned CPU core would take most of the suite's
+        # time budget; vLLM's grammar path is covered by every other test here and by tests/e2e/test_vllm_structured
         pytest.skip("the corpus run is for the sim engine (loadtests/tool_calls.py --engine vllm for vLLM)")
     names = [t["function"]["name"] for t in TOOLS]
     assert len(names) >= 50
