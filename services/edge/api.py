@@ -86,14 +86,14 @@ class EdgeApi:
         tools = output.tools if output.tools is not None and output.tools.choice != "none" else None
         if output.tools is not None or any("tool_calls" in m or m["role"] == "tool" for m in messages):
             messages = render_messages(messages, tools.tools if tools else (), fmt)
-        structured = self._structured(fmt, output)
+        structured = self._structured(fmt, tools, output)
         return await self._serve(request, "chat", body, tokenizer.apply_chat_template(messages), sampling,
                                  tokenizer, info.max_model_len, structured,
                                  (lambda prefix: make_parser(fmt, tools.tools, prefix)) if tools else None)
 
-    def _structured(self, fmt: str, output: ChatOutput) -> Structured | None:
-        """The grammar the engine enforces: the tools' structural tag and/or the response format's JSON."""
-        tools = output.tools if output.tools is not None and output.tools.choice != "none" else None
+    def _structured(self, fmt: str, tools: Any, output: ChatOutput) -> Structured | None:
+        """The grammar the engine enforces: the tools' structural tag (``tools``: None when tool_choice is none
+        or none were declared) and/or the response format's JSON."""
         response_format = output.response_format if output.response_format.kind != "text" else None
         constraint = build_constraint(fmt, tools, response_format)
         if constraint is None:
