@@ -19,6 +19,8 @@ from sqlalchemy.pool import NullPool
 ENV_URL = "INFERMESH_DATABASE_URL"
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 SQLITE_BUSY_TIMEOUT_MS = 5000
+PG_CONNECT_TIMEOUT_S = 10.0
+PG_COMMAND_TIMEOUT_S = 60.0
 _DRIVERS = {"postgresql": "postgresql+asyncpg", "postgres": "postgresql+asyncpg", "sqlite": "sqlite+aiosqlite"}
 
 
@@ -64,7 +66,10 @@ def create_engine(url: str, *, migrating: bool = False) -> AsyncEngine:
         return engine
     if migrating:
         return create_async_engine(url, poolclass=NullPool)
-    return create_async_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10, pool_recycle=1800)
+    # Timeouts: a connection the network dropped without a reset must fail the batch (which is then held and
+    # retried), not hang its writer forever.
+    return create_async_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10, pool_recycle=1800,
+                               connect_args={"timeout": PG_CONNECT_TIMEOUT_S, "command_timeout": PG_COMMAND_TIMEOUT_S})
 
 
 def _sqlite_pragmas(engine: AsyncEngine, foreign_keys: bool) -> None:
