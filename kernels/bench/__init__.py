@@ -1,0 +1,1 @@
+"""GPU benchmarks for the KV kernels (see README.md)."""
