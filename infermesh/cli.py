@@ -2,6 +2,7 @@
 
     infermesh up [--engine vllm|sim] [--workers N] [--model NAME] [--model-path DIR]
                  [--http-port P] [--nats-url URL] [--namespace NS]
+    infermesh up --pd P:D [--prefill-token-budget N] [--decode-token-budget N]   (disaggregated, NIXL)
     infermesh up --sim-decoders N [--sim-prefill M] [--sim-profile NAME] [--sim-clock-factor X]
                  [--sim-stream-interval K] [--sim-engines-per-process P] --model NAME --model-path DIR
     infermesh prepare-model [--tiny DIR]
@@ -44,6 +45,11 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--kv-cache-gib", type=float, default=1.0, help="vLLM CPU KV cache per worker")
     up.add_argument("--sim-ttft-ms", type=float, default=20.0)
     up.add_argument("--sim-itl-ms", type=float, default=10.0)
+    pd = up.add_argument_group("disaggregated prefill/decode")
+    pd.add_argument("--pd", default="", metavar="P:D",
+                    help="P prefill and D decode workers (vllm: KV over NIXL, at most 2 engines here; sim: the pools)")
+    pd.add_argument("--prefill-token-budget", type=int, default=0, help="prefill pool's tokens per step (0: default)")
+    pd.add_argument("--decode-token-budget", type=int, default=0, help="decode pool's tokens per step (0: default)")
     fleet = up.add_argument_group("simulated fleet (sim engine)")
     fleet.add_argument("--sim-decoders", type=int, default=0,
                        help="serving sim engines instead of --workers (role decode when --sim-prefill > 0)")
@@ -89,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             sim_decoders=args.sim_decoders, sim_prefill=args.sim_prefill, sim_profile=args.sim_profile,
             sim_clock_factor=args.sim_clock_factor, sim_stream_interval=args.sim_stream_interval,
             sim_engines_per_process=args.sim_engines_per_process, database_url=args.database_url,
-            billing_port=args.billing_port,
+            billing_port=args.billing_port, pd=args.pd, prefill_token_budget=args.prefill_token_budget,
+            decode_token_budget=args.decode_token_budget,
         )
         return run_mesh(options)
     return 2

@@ -41,14 +41,32 @@ class MeshOptions:
     sim_clock_factor: float = 1.0  # simulated seconds per real second
     sim_stream_interval: int = 1  # tokens per streamed message
     sim_engines_per_process: int = 1
+    # Disaggregated prefill/decode ("P:D", e.g. "1:1"): P prefill and D decode workers; vLLM engines exchange
+    # KV over NIXL. Each pool's per-step token budget (0: the engine's default).
+    pd: str = ""
+    prefill_token_budget: int = 0
+    decode_token_budget: int = 0
+
+    def __post_init__(self) -> None:
+        if self.pd:
+            num_prefill, num_decode = parse_pd(self.pd)
+            if self.engine == "sim":  # the sim fleet's pools
+                self.sim_prefill, self.sim_decoders = num_prefill, num_decode
 
     @property
     def is_fleet(self) -> bool:
         return self.sim_decoders > 0 or self.sim_prefill > 0
 
     @property
+    def pd_pools(self) -> tuple[int, int]:
+        """(prefill, decode) workers of a disaggregated vLLM mesh; (0, 0) when not disaggregated."""
+        return parse_pd(self.pd) if self.pd and self.engine == "vllm" else (0, 0)
+
+    @property
     def total_workers(self) -> int:
-        return self.sim_decoders + self.sim_prefill if self.is_fleet else self.num_workers
+        if self.is_fleet:
+            return self.sim_decoders + self.sim_prefill
+        return sum(self.pd_pools) or self.num_workers
 
     def check(self) -> None:
         """SystemExit on options that cannot work together."""
@@ -59,8 +77,16 @@ class MeshOptions:
         if self.sim_engines_per_process < 1 or self.sim_stream_interval < 1 or self.sim_clock_factor <= 0:
             raise SystemExit("--sim-engines-per-process and --sim-stream-interval must be >= 1, "
                              "--sim-clock-factor > 0")
-        if self.engine == "vllm" and self.num_workers > 2:
+        if self.engine == "vllm" and self.total_workers > 2:
             raise SystemExit("at most two vLLM CPU engines run on this machine; use --engine sim for fleets")
+
+
+def parse_pd(text: str) -> tuple[int, int]:
+    """``"P:D"`` -> (P, D), both >= 1."""
+    head, sep, tail = text.partition(":")
+    if not (sep and head.isdigit() and tail.isdigit() and int(head) >= 1 and int(tail) >= 1):
+        raise SystemExit(f"--pd wants PREFILL:DECODE worker counts, each >= 1 (e.g. 1:1), not {text!r}")
+    return int(head), int(tail)
 
 
 @dataclass(slots=True, frozen=True)
@@ -83,6 +109,9 @@ def worker_processes(options: MeshOptions) -> list[WorkerProcess]:
     if options.is_fleet:
         pools = [("decode", "decode" if options.sim_prefill else "both", options.sim_decoders),
                  ("prefill", "prefill", options.sim_prefill)]
+    elif options.pd_pools != (0, 0):
+        num_prefill, num_decode = options.pd_pools
+        pools = [("prefill", "prefill", num_prefill), ("decode", "decode", num_decode)]
     else:
         pools = [("", "both", options.num_workers)]
     out = []
@@ -108,6 +137,9 @@ def _sim_args(options: MeshOptions, process: WorkerProcess) -> list[str]:
         args += ["--role", process.role]
     if process.num_engines > 1:
         args += ["--num-engines", str(process.num_engines)]
+    budget = options.prefill_token_budget if process.role == "prefill" else options.decode_token_budget
+    if budget:
+        args += ["--max-num-batched-tokens", str(budget)]
     return args
 
 
@@ -158,6 +190,11 @@ def start_processes(group: ProcessGroup, options: MeshOptions, model_path: str, 
                 "--model-path", model_path, "--max-model-len", str(options.max_model_len)]
         if options.engine == "vllm":
             args += ["--cpu-core", str(i), "--kv-cache-gib", str(options.kv_cache_gib)]
+            if process.role != "both":
+                args += ["--role", process.role, "--kv-connector", "nixl"]
+            budget = options.prefill_token_budget if process.role == "prefill" else options.decode_token_budget
+            if budget:
+                args += ["--max-num-batched-tokens", str(budget)]
         else:
             args += _sim_args(options, process)
         group.python_service(process.name, "services.worker", args, env)
@@ -192,6 +229,8 @@ def wait_ready(group: ProcessGroup, options: MeshOptions, stop: threading.Event)
 
 def _describe_workers(options: MeshOptions) -> str:
     processes = worker_processes(options)
+    if options.pd_pools != (0, 0):
+        return f"vllm, disaggregated {options.pd}: prefill and decode workers exchange KV over NIXL"
     if not options.is_fleet:
         return f"{options.engine} x {options.num_workers}" + (
             f" in {len(processes)} processes" if len(processes) != options.num_workers else "")

@@ -33,6 +33,8 @@ class WorkerInfo(Struct, frozen=True):
     kv_dtype: str = "auto"
     kv_layout: str = "LBHNC"
     max_num_seqs: int = 0  # requests the engine runs at once (0: unknown)
+    kv_connector: str = ""  # how it exchanges KV with peers: "nixl", "sim"; "" = it cannot
+    kv_endpoint: str = ""  # where peers reach it for that (NIXL: the side channel's host:port)
     heartbeat_ttl_s: float = 5.0
     started_at: float = 0.0
     ts: float = 0.0
@@ -57,6 +59,10 @@ class LoadSnapshot(Struct, frozen=True):
     num_finished_total: int = 0
     num_prefill_tokens: int = 0  # prompt tokens admitted but not yet computed
     kv_seq: int = 0  # the worker's last KV event batch: an indexer behind it lost the tail of the stream
+    # prompt tokens served since start, by where their KV came from (engines that report it; vLLM does)
+    prompt_tokens_computed: int = 0
+    prompt_tokens_cached: int = 0
+    prompt_tokens_transferred: int = 0  # pulled from a prefill worker (NIXL)
 
     @property
     def kv_usage(self) -> float:
@@ -321,6 +327,7 @@ class GenerateRequest(Struct, frozen=True):
     sampling: SamplingParams
     attempt: int = 0
     kv_transfer: KvTransfer | None = None  # decode side of a disaggregated request
+    remote_decode: bool = False  # prefill side: compute the KV and hold it for a decode worker to pull
     cache_salt: str | None = None  # the tenant's prefix-cache salt (vLLM's cache_salt)
 
 

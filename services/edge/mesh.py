@@ -341,7 +341,7 @@ class EdgeMesh:
             await self.bus.publish(
                 self.bus.subjects.worker_generate(worker_id),
                 GenerateRequest(prefill_id, model, prompt_token_ids, msgspec.structs.replace(sampling, max_tokens=1),
-                                cache_salt=cache_salt),
+                                cache_salt=cache_salt, remote_decode=True),
                 reply=self.receiver.subject(prefill_id),
             )
             while True:

@@ -140,8 +140,9 @@ def not_excluded(excluded: Collection[str]) -> Filter:
 
 
 def kv_compatible(peer: WorkerInfo) -> Filter:
-    """Can exchange KV with ``peer``: same block size, KV dtype and layout."""
-    return lambda w: (w.block_size, w.kv_dtype, w.kv_layout) == (peer.block_size, peer.kv_dtype, peer.kv_layout)
+    """Can exchange KV with ``peer``: same block size, KV dtype, layout and transfer connector (NIXL, sim)."""
+    key = (peer.block_size, peer.kv_dtype, peer.kv_layout, peer.kv_connector)
+    return lambda w: (w.block_size, w.kv_dtype, w.kv_layout, w.kv_connector) == key
 
 
 def has_room(loads: "LoadView") -> Filter:

@@ -39,6 +39,8 @@ class WorkerConfig(BusConfig):
     kv_cache_gib: float = 1.0
     kv_cache_dtype: str = "auto"
     cpu_core: int = -1  # pin the vLLM engine's threads to this core (-1: leave as is)
+    kv_connector: str = ""  # vllm: "nixl" to hand KV to / take KV from other workers (prefill/decode roles)
+    nixl_port: int = 0  # vllm: the NIXL side channel's port (0: a free one)
 
     def __post_init__(self) -> None:
         assert self.role in ("both", "prefill", "decode"), f"role must be both|prefill|decode, not {self.role!r}"
@@ -46,6 +48,9 @@ class WorkerConfig(BusConfig):
         assert self.heartbeat_ttl_s > self.heartbeat_s > 0, "heartbeat_ttl_s must exceed heartbeat_s"
         assert self.num_engines >= 1 and (self.num_engines == 1 or self.engine == "sim"), \
             "num_engines > 1 is for the sim engine only"
+        assert self.kv_connector in ("", "nixl"), f"kv_connector must be nixl or empty, not {self.kv_connector!r}"
+        assert self.engine != "vllm" or self.role == "both" or self.kv_connector == "nixl", \
+            f"a vllm worker in role {self.role} exchanges KV with its peers: it needs --kv-connector nixl"
 
     def engine_options(self) -> dict[str, object]:
         if self.engine == "sim":
@@ -64,5 +69,7 @@ class WorkerConfig(BusConfig):
         return dict(
             model=self.model, model_path=self.model_path, block_size=self.block_size,
             max_model_len=self.max_model_len, kv_cache_gib=self.kv_cache_gib,
-            kv_cache_dtype=self.kv_cache_dtype, cpu_core=self.cpu_core,
+            kv_cache_dtype=self.kv_cache_dtype, cpu_core=self.cpu_core, worker_id=self.worker_id,
+            kv_connector=self.kv_connector, nixl_port=self.nixl_port,
+            max_num_batched_tokens=self.max_num_batched_tokens,
         )

@@ -17,6 +17,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from services.worker.config import WorkerConfig
 from services.worker.engines import Engine, EngineRequestError, EngineSpec, create_engine
+from services.worker.engines.base import PromptTokens
 from shared import schema
 from shared.bus import Bus, TokenStreamSender
 from shared.registry import WorkerRegistration
@@ -36,7 +37,7 @@ class WorkerService:
         self.config = config
         self.bus = bus
         self.worker_id = config.worker_id or f"w-{uuid.uuid4().hex[:8]}"
-        self.engine = engine or create_engine(config.engine, **config.engine_options())
+        self.engine = engine or create_engine(config.engine, **{**config.engine_options(), "worker_id": self.worker_id})
         self.spec: EngineSpec | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._background: list[asyncio.Task[None]] = []
@@ -87,7 +88,8 @@ class WorkerService:
         return WorkerInfo(
             worker_id=self.worker_id, role=self.config.role, model=sp.model, engine=self.engine.name,  # type: ignore[arg-type]
             block_size=sp.block_size, num_kv_blocks=sp.num_kv_blocks, max_model_len=sp.max_model_len,
-            tokenizer=sp.tokenizer, kv_dtype=sp.kv_dtype, max_num_seqs=sp.max_num_seqs,
+            tokenizer=sp.tokenizer, kv_dtype=sp.kv_dtype, max_num_seqs=sp.max_num_seqs, kv_layout=sp.kv_layout,
+            kv_connector=sp.kv_connector, kv_endpoint=sp.kv_endpoint,
             heartbeat_ttl_s=self.config.heartbeat_ttl_s,
             started_at=self._started_at, ts=time.time(),
         )
@@ -110,7 +112,8 @@ class WorkerService:
             num_output = 0
             try:
                 async for out in self.engine.generate(request.request_id, request.prompt_token_ids, request.sampling,
-                                                      request.kv_transfer, request.cache_salt):
+                                                      request.kv_transfer, request.cache_salt,
+                                                      remote_decode=request.remote_decode):
                     num_output += len(out.token_ids)
                     if out.token_ids:
                         await stream.tokens(out.token_ids)
@@ -156,12 +159,14 @@ class WorkerService:
     def load_snapshot(self) -> LoadSnapshot:
         load = self.engine.load()
         self._load_seq += 1
+        prompt = load.prompt_tokens or PromptTokens()
         return LoadSnapshot(
             source_id=self.worker_id, seq=self._load_seq, ts=schema.now(), num_running=load.num_running,
             num_waiting=load.num_waiting, num_active_blocks=load.num_active_blocks,
             num_kv_blocks=load.num_kv_blocks, num_aborted_total=self._num_aborted,
             num_finished_total=self._num_finished, num_prefill_tokens=load.num_prefill_tokens,
-            kv_seq=self.kv_log.seq,
+            kv_seq=self.kv_log.seq, prompt_tokens_computed=prompt.computed, prompt_tokens_cached=prompt.cached,
+            prompt_tokens_transferred=prompt.transferred,
         )
 
     async def _publish_load_loop(self) -> None:

@@ -18,9 +18,10 @@ NOW = 1000.0
 
 
 def worker(worker_id: str, role: str = "both", model: str = "m", block_size: int = BS, kv_dtype: str = "auto",
-           num_kv_blocks: int = 1000) -> WorkerInfo:
+           num_kv_blocks: int = 1000, kv_layout: str = "LBHNC", kv_connector: str = "sim") -> WorkerInfo:
     return WorkerInfo(worker_id=worker_id, role=role, model=model, engine="sim", block_size=block_size,
-                      num_kv_blocks=num_kv_blocks, max_model_len=100_000, tokenizer="", kv_dtype=kv_dtype, ts=NOW)
+                      num_kv_blocks=num_kv_blocks, max_model_len=100_000, tokenizer="", kv_dtype=kv_dtype, ts=NOW,
+                      kv_layout=kv_layout, kv_connector=kv_connector)
 
 
 def snap(worker_id: str, running: int = 0, waiting: int = 0, blocks: int = 0, prefill: int = 0, seq: int = 1,
@@ -205,6 +206,24 @@ def test_prefill_worker_is_the_cheapest_compatible_one():
         plan = route(policy, ws, request(prompt, rid=f"r{i}"))
         assert plan.reply == RouteDecision("d", 0, prefill_worker_id="p-near")
         assert plan.prefill_tokens == 0  # the decoder computes nothing
+
+
+@pytest.mark.parametrize("incompatible", [
+    dict(block_size=2 * BS), dict(kv_dtype="fp8"), dict(kv_layout="BLHNC"), dict(kv_connector="nixl"),
+    dict(kv_connector=""),
+])
+def test_an_incompatible_prefill_worker_is_never_chosen(incompatible):
+    """Whatever it holds and however idle it is, a prefill worker whose KV the decoder cannot take (other block
+    size, KV dtype, layout or connector) is never paired; with no compatible one the decoder prefills itself."""
+    ws = [worker("d", role="decode"), worker("p-other", role="prefill", **incompatible)]
+    policy = setup(*ws)[0]
+    prompt = tokens(20 * BS)
+    cached(policy.index, "p-other", prompt)
+    busy = loads(snap("d", running=8, prefill=4096))
+    for i in range(50):
+        assert route(policy, ws, request(prompt, rid=f"r{i}"), busy).reply == RouteDecision("d", 0)
+        assert LeastLoadedPolicy().route(request(prompt, rid=f"r{i}"), RouteView(ws, busy, NOW)).reply == \
+            RouteDecision("d")
 
 
 @pytest.mark.parametrize("cached_blocks, min_remote, remote", [

@@ -34,6 +34,9 @@ class EngineSpec:
     max_model_len: int
     kv_dtype: str = "auto"
     max_num_seqs: int = 0  # requests it runs at once; more wait in its queue (0: unknown)
+    kv_layout: str = "LBHNC"  # how its paged KV cache lies in memory (kernels/kv_layout)
+    kv_connector: str = ""  # how it exchanges KV with other workers ("nixl", "sim"; "": it cannot)
+    kv_endpoint: str = ""  # where peers reach it for that (NIXL: the side channel's host:port)
 
 
 @dataclass(slots=True)
@@ -54,6 +57,16 @@ class EngineLoad:
     num_active_blocks: int
     num_kv_blocks: int
     num_prefill_tokens: int = 0  # prompt tokens admitted but not yet computed (queued prefill work)
+    prompt_tokens: PromptTokens | None = None  # where prompt tokens came from so far (engines that know)
+
+
+@dataclass(slots=True, frozen=True)
+class PromptTokens:
+    """Prompt tokens an engine has served since it started, by where their KV came from."""
+
+    computed: int = 0  # prefilled here
+    cached: int = 0  # hits in its own prefix cache
+    transferred: int = 0  # pulled from another worker (disaggregated prefill)
 
 
 class Engine(abc.ABC):
@@ -70,8 +83,11 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-        kv_transfer: KvTransfer | None = None, cache_salt: str | None = None,
-    ) -> AsyncIterator[EngineOutput]: ...
+        kv_transfer: KvTransfer | None = None, cache_salt: str | None = None, remote_decode: bool = False,
+    ) -> AsyncIterator[EngineOutput]:
+        """Stream the request's tokens. ``kv_transfer``: pull the prompt's KV from the prefill worker holding it
+        (falling back to computing it here if the pull fails). ``remote_decode``: this is the prefill half of a
+        disaggregated request; the last output carries the KV handle for the decode worker."""
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None: ...

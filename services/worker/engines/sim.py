@@ -135,7 +135,8 @@ class SimEngine(Engine):
         self._runner = asyncio.create_task(self._run(), name=f"sim-{self.config.worker_id}")
         wc = self.worker.config
         return EngineSpec(self.config.model, self.config.tokenizer, wc.block_size, wc.num_kv_blocks,
-                          self.config.max_model_len, self.config.kv_dtype, wc.max_num_seqs)
+                          self.config.max_model_len, self.config.kv_dtype, wc.max_num_seqs, kv_layout=wc.kv_layout,
+                          kv_connector="sim")
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -146,7 +147,7 @@ class SimEngine(Engine):
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-        kv_transfer: KvTransfer | None = None, cache_salt: str | None = None,
+        kv_transfer: KvTransfer | None = None, cache_salt: str | None = None, remote_decode: bool = False,
     ) -> AsyncIterator[EngineOutput]:
         if not prompt_token_ids:
             raise EngineRequestError("the prompt is empty")

@@ -9,6 +9,14 @@ json_schema -> ``StructuredOutputsParams(json=)``, json_object -> ``json_object=
 structural_tag -> ``structural_tag=``; with ``close_within`` > 0 the request also opts into
 budget-aware closing through ``extra_args`` (a custom logits processor). Details and the
 order of vLLM's grammar bitmask vs logits processors: ``vllm_closing``.
+
+Disaggregation (``kv_connector="nixl"``): vLLM's NixlConnector, one side channel per engine (``nixl_port``).
+A prefill (``remote_decode``) runs with ``kv_transfer_params={"do_remote_decode": true}``; vLLM keeps its
+blocks (a lease the decoder renews, 30 s without it) and its final output carries the handle, which travels
+to the decode worker as ``KvTransfer.params``. The decoder's engine reads the blocks over NIXL (UCX, host
+memory here) and computes only what is left; if the read fails it recomputes the prompt
+(``kv_load_failure_policy="recompute"``), so the client sees no error. Where the prompt tokens' KV came
+from (computed, cached, transferred) is counted from vLLM's per-step stats (``PromptTokens``).
 """
 
 from __future__ import annotations
@@ -19,7 +27,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from services.worker.engines.base import Engine, EngineLoad, EngineOutput, EngineRequestError, EngineSpec
+from services.worker.engines.base import (Engine, EngineLoad, EngineOutput, EngineRequestError, EngineSpec,
+                                          PromptTokens)
 from shared.schema import KvTransfer, SamplingParams
 
 log = logging.getLogger("infermesh.worker.vllm")
@@ -44,10 +53,17 @@ class VllmEngineConfig:
     # compact JSON for json_schema / json_object (no whitespace runs that eat the budget of a weak model);
     # structural tags set their own whitespace (xgrammar's JSONSchemaFormat.max_whitespace_cnt)
     json_any_whitespace: bool = False
+    worker_id: str = ""  # names the holder in the KV handles a prefill returns
+    kv_connector: str = ""  # "nixl": exchange KV with other workers (prefill/decode roles); "": none
+    nixl_host: str = "127.0.0.1"  # the NIXL side channel (peers fetch this engine's NIXL metadata there)
+    nixl_port: int = 0  # 0: a free port
+    kv_buffer_device: str = "cpu"  # where NIXL reads and writes KV ("cpu" here; "cuda" on GPUs)
+    max_num_batched_tokens: int = 0  # tokens one step computes at most (the pool's prefill budget); 0: vLLM's
 
     def __post_init__(self) -> None:
         assert self.model_path, "the vllm engine needs --model-path (a local model folder)"
         assert self.kv_cache_gib > 0 and self.max_model_len > 0
+        assert self.kv_connector in ("", "nixl"), f"kv_connector must be nixl or empty, not {self.kv_connector!r}"
 
 
 @dataclass(slots=True)
@@ -67,6 +83,8 @@ class VllmEngine(Engine):
         self._num_kv_blocks = 0
         self._block_size = config.block_size
         self._kv_subscriber: Any = None
+        self._prompt = _PromptTokenCounter()
+        self._nixl_endpoint = ""
 
     async def start(self) -> EngineSpec:
         c = self.config
@@ -85,6 +103,7 @@ class VllmEngine(Engine):
             self._kv_subscriber = KvEventSubscriber()
             kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                               endpoint=self._kv_subscriber.endpoint, topic=TOPIC)
+        kv_transfer_config = self._kv_transfer_config()
         args = AsyncEngineArgs(
             model=c.model_path, served_model_name=c.model, enforce_eager=True, max_model_len=c.max_model_len,
             block_size=c.block_size or None, enable_prefix_caching=c.enable_prefix_caching,
@@ -94,16 +113,53 @@ class VllmEngine(Engine):
             structured_outputs_config=StructuredOutputsConfig(
                 backend="xgrammar", disable_any_whitespace=not c.json_any_whitespace),
             logits_processors=[_CLOSING_PROCESSOR] if c.budget_closing else None,
+            kv_transfer_config=kv_transfer_config, max_num_batched_tokens=c.max_num_batched_tokens or None,
         )
-        self._llm = AsyncLLM.from_engine_args(args)
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._prompt.logger_factory()])
         vllm_config = self._llm.vllm_config
         self._num_kv_blocks = int(vllm_config.cache_config.num_gpu_blocks or 0)
         self._block_size = int(vllm_config.cache_config.block_size)
+        if c.kv_connector:
+            await self._warm_up()
         return EngineSpec(
             model=c.model, tokenizer=c.model_path, block_size=self._block_size, num_kv_blocks=self._num_kv_blocks,
             max_model_len=int(vllm_config.model_config.max_model_len), kv_dtype=c.kv_cache_dtype,
             max_num_seqs=int(vllm_config.scheduler_config.max_num_seqs or 0),
+            kv_layout="LBHNC",  # vLLM's paged KV: one tensor per layer, blocks inside it
+            kv_connector=c.kv_connector, kv_endpoint=self._nixl_endpoint,
         )
+
+    async def _warm_up(self) -> None:
+        """One local prefill before serving. vLLM CPU 0.32 kills its worker with SIGILL (in
+        ``cpu_attention_with_kv_cache``) when the first attention an engine ever runs is over KV that came from
+        a peer; after one local prefill the same request works (tests/e2e/test_vllm_disaggregated.py). The
+        warm-up's KV is salted so no request ever hits it; its tokens are not counted."""
+        from vllm import SamplingParams as VllmSampling
+        from vllm.inputs import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+
+        prompt = [10 + i % 100 for i in range(2 * self._block_size)]
+        sampling = VllmSampling(max_tokens=2, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        async for _ in self._llm.generate(tokens_input(prompt, cache_salt="infermesh-warm-up"), sampling,
+                                          f"warm-up-{os.getpid()}"):
+            pass
+        self._prompt.reset()
+
+    def _kv_transfer_config(self) -> Any:
+        c = self.config
+        if c.kv_connector != "nixl":
+            return None
+        from vllm.config import KVTransferConfig
+
+        from infermesh.processes import free_port
+
+        port = c.nixl_port or free_port()
+        # read by the engine core process vLLM starts next (it inherits this environment)
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = c.nixl_host
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
+        self._nixl_endpoint = f"{c.nixl_host}:{port}"
+        return KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both", kv_buffer_device=c.kv_buffer_device,
+                                engine_id=c.worker_id or None, kv_load_failure_policy="recompute")
 
     async def stop(self) -> None:
         if self._llm is not None:
@@ -117,7 +173,7 @@ class VllmEngine(Engine):
             return super().kv_events()
         return self._kv_subscriber.batches()
 
-    def _sampling(self, sampling: SamplingParams) -> Any:
+    def _sampling(self, sampling: SamplingParams, kv_transfer_params: dict[str, Any] | None = None) -> Any:
         from vllm import SamplingParams as VllmSampling
         from vllm.sampling_params import RequestOutputKind
 
@@ -127,6 +183,8 @@ class VllmEngine(Engine):
 
             structured_outputs = structured_outputs_params(sampling.structured)
             extra_args = closing_extra_args(sampling.structured) if self.config.budget_closing else None
+        if kv_transfer_params is not None:  # vLLM reads (and updates) it from extra_args
+            extra_args = {**(extra_args or {}), "kv_transfer_params": kv_transfer_params}
         return VllmSampling(
             max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             seed=sampling.seed, stop_token_ids=list(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
@@ -137,8 +195,7 @@ class VllmEngine(Engine):
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-        kv_transfer: KvTransfer | None = None,  # disaggregation for vLLM comes with the NIXL connector
-        cache_salt: str | None = None,
+        kv_transfer: KvTransfer | None = None, cache_salt: str | None = None, remote_decode: bool = False,
     ) -> AsyncIterator[EngineOutput]:
         from vllm.exceptions import VLLMValidationError
         from vllm.inputs import tokens_input
@@ -146,8 +203,10 @@ class VllmEngine(Engine):
         state = _Running(len(prompt_token_ids))
         self._running[request_id] = state
         num_cached = 0
+        params = self._transfer_params(kv_transfer, remote_decode)
         try:
-            stream = self._llm.generate(tokens_input(prompt_token_ids, cache_salt=cache_salt), self._sampling(sampling), request_id)
+            stream = self._llm.generate(tokens_input(prompt_token_ids, cache_salt=cache_salt),
+                                        self._sampling(sampling, params), request_id)
             async for out in _rejections_as(stream, VLLMValidationError):
                 if out.num_cached_tokens:
                     num_cached = out.num_cached_tokens
@@ -158,8 +217,12 @@ class VllmEngine(Engine):
                     reason = completion.finish_reason or "stop"
                     if request_id in self._aborted:
                         reason = "abort"
+                    handle = None
+                    if remote_decode and out.kv_transfer_params and reason != "abort":
+                        handle = KvTransfer(self.config.worker_id, request_id, len(prompt_token_ids),
+                                            dict(out.kv_transfer_params))
                     yield EngineOutput(token_ids, reason if reason in ("stop", "length", "abort") else "stop",
-                                       len(prompt_token_ids), num_cached)
+                                       len(prompt_token_ids), num_cached, handle)
                     return
                 if token_ids:
                     yield EngineOutput(token_ids, None, len(prompt_token_ids), num_cached)
@@ -168,6 +231,15 @@ class VllmEngine(Engine):
         finally:
             self._running.pop(request_id, None)
             self._aborted.discard(request_id)
+
+    def _transfer_params(self, kv_transfer: KvTransfer | None, remote_decode: bool) -> dict[str, Any] | None:
+        if self.config.kv_connector != "nixl":
+            return None  # without a connector vLLM would ignore them: prefill here, hand nothing out
+        if remote_decode:
+            return {"do_remote_decode": True}
+        if kv_transfer is not None and kv_transfer.params.get("do_remote_prefill"):
+            return dict(kv_transfer.params)  # a copy: vLLM marks it as consumed
+        return None
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._running and self._llm is not None:
@@ -178,7 +250,41 @@ class VllmEngine(Engine):
         bs = max(1, self._block_size)
         blocks = sum(math.ceil((s.num_prompt_tokens + s.num_output_tokens) / bs) for s in self._running.values())
         prefill = sum(s.num_prompt_tokens for s in self._running.values() if not s.num_output_tokens)
-        return EngineLoad(len(self._running), 0, blocks, self._num_kv_blocks, prefill)
+        return EngineLoad(len(self._running), 0, blocks, self._num_kv_blocks, prefill, self._prompt.snapshot())
+
+
+class _PromptTokenCounter:
+    """Prompt tokens by the source of their KV, summed from vLLM's per-step ``prompt_token_stats``."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.computed = self.cached = self.transferred = 0
+
+    def snapshot(self) -> PromptTokens:
+        return PromptTokens(self.computed, self.cached, self.transferred)
+
+    def logger_factory(self) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        counter = self
+
+        class PromptTokenLogger(StatLoggerBase):  # vLLM calls record() in this process after every step
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
+                stats = getattr(iteration_stats, "prompt_token_stats", None)
+                if stats is not None:
+                    counter.computed += stats.computed
+                    counter.cached += stats.local_cache_hit
+                    counter.transferred += stats.external_kv_transfer
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return PromptTokenLogger
 
 
 async def _rejections_as(stream: AsyncIterator[Any], rejection: type[Exception]) -> AsyncIterator[Any]:
