@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
+import numpy as np
 import pytest
 
-from services.worker.engines.cost_model import (PROFILES_DIR, CostModel, _sum_min, load_profile,
+from kernels.kv_layout import KVRegion, plan_transfer, scattered_placement
+from services.worker.engines.cost_model import (LAYOUTS, PROFILES_DIR, CostModel, _sum_min, load_profile,
                                                 num_descriptors)
 
 GB200 = load_profile("gb200-glm53")
@@ -77,6 +81,27 @@ def test_block_major_layout_needs_one_descriptor_per_block(num_blocks, layers) -
     assert num_descriptors(num_blocks, layers, "LBHNC") == num_blocks * layers
     with pytest.raises(ValueError):
         num_descriptors(1, 1, "HND")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("num_blocks, layers, block_size", [(1, 78, 64), (200, 78, 64), (37, 18, 128)])
+def test_num_descriptors_is_the_planners_count_for_scattered_blocks(layout, num_blocks, layers, block_size) -> None:
+    """The sim's count is what kernels/kv_layout plans for blocks no two of which are adjacent on both sides."""
+    region = KVRegion(layout, num_blocks=4 * num_blocks, num_layers=layers, block_size=block_size, head_bytes=576)
+    src = 4 * np.arange(num_blocks)[::-1]  # every fourth block, listed backwards
+    dst = scattered_placement(num_blocks, 4 * num_blocks, seed=1)[1]
+    assert num_descriptors(num_blocks, layers, layout) == len(plan_transfer(region, region, src, dst))
+    assert num_descriptors(num_blocks, layers, layout) >= len(plan_transfer(region, region, range(num_blocks),
+                                                                            range(num_blocks)))
+
+
+def test_host_profile_takes_the_measured_nixl_constants() -> None:
+    """cpu-gemma3-270m's link and per-descriptor cost are the fit in docs/results/kv_layout (real NIXL here)."""
+    report = json.loads((Path(__file__).parents[2] / "docs/results/kv_layout/kv_layout_nixl.json").read_text())
+    fit = report["fit"]["all"]
+    cpu = load_profile("cpu-gemma3-270m")
+    assert cpu.descriptor_overhead_s == pytest.approx(fit["overhead_s"], rel=0.01)
+    assert cpu.link_bytes_per_s == pytest.approx(fit["bandwidth_bytes_per_s"], rel=0.01)
 
 
 def test_transfer_time_is_bytes_over_link_plus_descriptors() -> None:

@@ -26,8 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from kernels.kv_layout import LAYOUTS as LAYOUTS  # re-exported: the layouts the sim knows
+from kernels.kv_layout import scattered_descriptor_count
+
 PROFILES_DIR = Path(__file__).with_name("profiles")
-LAYOUTS = ("LBHNC", "BLHNC")
 
 
 @dataclass(slots=True, frozen=True)
@@ -171,9 +173,8 @@ def num_descriptors(num_blocks: int, num_layers: int, layout: str) -> int:
     Layer-major (LBHNC, vLLM's default: one tensor per layer, blocks inside it) keeps a
     block's layers apart, so every (block, layer) is its own region. Block-major (BLHNC:
     all layers of a block side by side) makes each block one region. Blocks are assumed
-    not adjacent to each other (a busy pool scatters them); kernels/kv_layout's planner
-    merges adjacent ones and gives the measured counts.
+    not adjacent to each other (a busy pool scatters them): this is the count
+    kernels/kv_layout's planner gives for such blocks (it merges runs that are adjacent on
+    both sides, which only ever lowers it; tests/unit/test_cost_model.py checks the two agree).
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown KV layout {layout!r} (expected one of {LAYOUTS})")
-    return num_blocks * num_layers if layout == "LBHNC" else num_blocks
+    return scattered_descriptor_count(num_blocks, num_layers, layout)
