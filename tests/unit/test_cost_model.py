@@ -128,3 +128,13 @@ def test_lm_head_runs_once_per_request_per_step() -> None:
         assert flops - base == pytest.approx(2 * cpu.lm_head_params * requests)
     # on this CPU decode is compute bound: a bigger batch costs more, as measured (127 ms -> 1.2 s at 16)
     assert cm.step_time([], [160] * 16) > 5 * cm.step_time([], [160])
+
+
+@pytest.mark.parametrize("name", ["gb200-glm53", "h200-glm53"])
+def test_glm_profiles_row_bytes_are_the_kernels_formats(name):
+    """The sim's KV capacity for GLM-5.3 uses the bytes per MLA row that kernels/nvfp4 packs (576 values: BF16 1152,
+    FP8 576, NVFP4 352 = 256 E2M1 bytes + 32 E4M3 scales + 64 FP8 rope values)."""
+    from kernels.nvfp4.format import ROW_BYTES
+
+    profile = load_profile(name)
+    assert profile.kv_row_bytes == {dtype: ROW_BYTES[dtype] for dtype in profile.kv_row_bytes}
