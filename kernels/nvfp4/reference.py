@@ -6,6 +6,8 @@ uses the round-to-nearest-even midpoints of E2M1_VALUES. The Triton kernels repr
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from kernels.nvfp4.format import (
@@ -152,27 +154,27 @@ def _batched(q: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torc
     return q, indices, False
 
 
+def _sparse_attention(q: torch.Tensor, num_slots: int, rows: Callable[[torch.Tensor], torch.Tensor],
+                      indices: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """Gather the selected rows (``rows(slot ids)`` -> float [.., 576]) and attend; batched or not."""
+    qb, ib, single = _batched(q, indices)
+    idx, valid = _gather(ib, num_slots)
+    out = attend(qb, rows(idx), valid, sm_scale)
+    return out[0] if single else out
+
+
 def decode_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float) -> torch.Tensor:
     """Sparse MLA decode over a dense float cache kv [S, 576]: q [H, 576] + indices [T] (or batched [B, ...])."""
-    qb, ib, single = _batched(q, indices)
-    idx, valid = _gather(ib, kv.shape[0])
-    out = attend(qb, kv[idx].float(), valid, sm_scale)
-    return out[0] if single else out
+    return _sparse_attention(q, kv.shape[0], lambda idx: kv[idx].float(), indices, sm_scale)
 
 
 def nvfp4_decode_attention(q: torch.Tensor, cache: torch.Tensor, scales: Nvfp4Scales, indices: torch.Tensor,
                            sm_scale: float) -> torch.Tensor:
     """Same as decode_attention over an NVFP4 cache uint8 [S, 352] (rows dequantized after the gather)."""
-    qb, ib, single = _batched(q, indices)
-    idx, valid = _gather(ib, cache.shape[0])
-    out = attend(qb, unpack_nvfp4(cache[idx], scales), valid, sm_scale)
-    return out[0] if single else out
+    return _sparse_attention(q, cache.shape[0], lambda idx: unpack_nvfp4(cache[idx], scales), indices, sm_scale)
 
 
 def fp8_decode_attention(q: torch.Tensor, cache: torch.Tensor, scale: float, indices: torch.Tensor,
                          sm_scale: float) -> torch.Tensor:
     """Same as decode_attention over an FP8 cache uint8 [S, 576] with one per-tensor scale."""
-    qb, ib, single = _batched(q, indices)
-    idx, valid = _gather(ib, cache.shape[0])
-    out = attend(qb, unpack_fp8(cache[idx], scale), valid, sm_scale)
-    return out[0] if single else out
+    return _sparse_attention(q, cache.shape[0], lambda idx: unpack_fp8(cache[idx], scale), indices, sm_scale)
