@@ -15,6 +15,9 @@ from pathlib import Path
 from infermesh.processes import ProcessGroup, free_port, wait_for_port
 
 
+PD_HEARTBEAT_TTL_S = 15.0  # vLLM P/D workers on CPU (see start_processes)
+
+
 @dataclass(slots=True)
 class MeshOptions:
     engine: str = "vllm"
@@ -191,7 +194,9 @@ def start_processes(group: ProcessGroup, options: MeshOptions, model_path: str, 
         if options.engine == "vllm":
             args += ["--cpu-core", str(i), "--kv-cache-gib", str(options.kv_cache_gib)]
             if process.role != "both":
-                args += ["--role", process.role, "--kv-connector", "nixl"]
+                # NIXL's progress thread and vLLM's worker loop spin once a KV connector is on: with two engines on
+                # two cores a worker's own event loop can wait seconds for a core, so heartbeats get more slack
+                args += ["--role", process.role, "--kv-connector", "nixl", "--heartbeat-ttl-s", str(PD_HEARTBEAT_TTL_S)]
             budget = options.prefill_token_budget if process.role == "prefill" else options.decode_token_budget
             if budget:
                 args += ["--max-num-batched-tokens", str(budget)]

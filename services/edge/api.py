@@ -134,11 +134,11 @@ class EdgeApi:
             raise errors.context_length_exceeded(max_len, num_prompt, sampling.max_tokens)
         else:
             max_tokens = sampling.max_tokens
-        return SamplingParams(
+        ignore_eos = sampling.ignore_eos and structured is None
+        return SamplingParams(  # ignore_eos (vLLM's, for benchmarks): max_tokens, past the model's stop tokens too
             max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
-            stop_token_ids=tokenizer.stop_token_ids, presence_penalty=sampling.presence_penalty,
-            frequency_penalty=sampling.frequency_penalty, ignore_eos=sampling.ignore_eos and structured is None,
-            structured=structured,
+            stop_token_ids=[] if ignore_eos else tokenizer.stop_token_ids, presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty, ignore_eos=ignore_eos, structured=structured,
         )
 
     async def _serve(self, request: HttpRequest, kind: str, body: Any, prompt_ids: list[int], sampling: Sampling,

@@ -8,9 +8,15 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
 
 import psutil
+
+from infermesh.processes import free_port
 
 
 @dataclass
@@ -57,3 +63,18 @@ class UpProcess:
         _gone, alive = psutil.wait_procs(children, timeout=10)
         assert not alive, f"orphans left behind: {[p.pid for p in alive]}"
         return code
+
+
+@contextmanager
+def tiny_vllm_mesh(workers: list[str], nats_url: str, tiny_model: Path, state_dir: Path,
+                   prefix: str = "v") -> Iterator[dict[str, Any]]:
+    """``infermesh up --engine vllm`` with ``workers`` (e.g. ``--workers 2`` or ``--pd 1:1``) on the tiny model,
+    in a namespace of its own; yields its base URL, key and namespace and checks it stops cleanly."""
+    namespace = f"{prefix}{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    up = UpProcess([*workers, "--engine", "vllm", "--model", "tiny", "--model-path", str(tiny_model),
+                    "--nats-url", nats_url, "--namespace", namespace, "--http-port", str(port),
+                    "--max-model-len", "1024", "--state-dir", str(state_dir)])
+    up.start(timeout_s=300)
+    yield {"base_url": f"http://127.0.0.1:{port}/v1", "key": up.key, "namespace": namespace, "up": up}
+    assert up.stop() == 0

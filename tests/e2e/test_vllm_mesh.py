@@ -5,20 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 
 import httpx
 import openai
 import pytest
 
-from infermesh.processes import free_port
 from services.edge.tokenizer import ModelTokenizer
 from services.router.config import RouterConfig
 from services.router.service import RouterService
 from shared.bus import Bus
 from shared.prefix_hash import prompt_hashes
 from shared.schema import BlockStored, KvEventBatch, LoadRequest, LoadSnapshot
-from tests.e2e.mesh_process import UpProcess
+from tests.e2e.mesh_process import tiny_vllm_mesh
 from tests.utils import eventually
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
@@ -28,14 +26,8 @@ MESSAGES = [{"role": "system", "content": "You are terse."},
 
 @pytest.fixture(scope="module")
 def mesh(nats_url, tiny_model, tmp_path_factory):
-    namespace = f"v{uuid.uuid4().hex[:8]}"
-    port = free_port()
-    up = UpProcess(["--engine", "vllm", "--workers", "2", "--model", "tiny", "--model-path", str(tiny_model),
-                    "--nats-url", nats_url, "--namespace", namespace, "--http-port", str(port),
-                    "--max-model-len", "1024", "--state-dir", str(tmp_path_factory.mktemp("up-vllm"))])
-    up.start(timeout_s=300)
-    yield {"base_url": f"http://127.0.0.1:{port}/v1", "key": up.key, "namespace": namespace, "up": up}
-    assert up.stop() == 0
+    with tiny_vllm_mesh(["--workers", "2"], nats_url, tiny_model, tmp_path_factory.mktemp("up-vllm")) as mesh:
+        yield mesh
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import uuid
 
 import jsonschema
@@ -48,17 +47,9 @@ SEEDS = range(6)
 async def engine(tiny_model):
     from services.worker.engines.vllm_engine import VllmEngine, VllmEngineConfig
 
-    saved = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")}
     eng = VllmEngine(VllmEngineConfig(model="tiny", model_path=str(tiny_model), max_model_len=1024, cpu_core=0,
                                       kv_events=False, enable_prefix_caching=False))
-    try:
-        await eng.start()
-    finally:  # the engine core has its copy; don't leak the pinning into other tests
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    await eng.start()  # pinned to core 0; the engine restores this process's environment itself
     yield eng
     await eng.stop()
 

@@ -53,4 +53,5 @@ def test_sampling_options_and_stop_tokens_reach_the_engine(api):
     assert (params.temperature, params.top_p, params.seed) == (0.7, 0.9, 5)
     assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.25)
     assert params.stop_token_ids == [1, 106] and not params.ignore_eos
-    assert api._engine_sampling(_sampling(8, ignore_eos=True), 4, 100, TOKENIZER).ignore_eos
+    ignoring = api._engine_sampling(_sampling(8, ignore_eos=True), 4, 100, TOKENIZER)
+    assert ignoring.ignore_eos and ignoring.stop_token_ids == []  # the model's stop tokens (EOS among them) too

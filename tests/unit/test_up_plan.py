@@ -56,4 +56,4 @@ def test_worker_flags_carry_role_connector_and_pool_budget(tmp_path):
     for args, role, core, budget in ((prefill, "prefill", "0", "4096"), (decode, "decode", "1", "256")):
         flags = dict(zip(args[::2], args[1::2]))
         assert flags["--role"] == role and flags["--kv-connector"] == "nixl" and flags["--cpu-core"] == core
-        assert flags["--max-num-batched-tokens"] == budget
+        assert flags["--max-num-batched-tokens"] == budget and float(flags["--heartbeat-ttl-s"]) >= 10

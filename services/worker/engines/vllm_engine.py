@@ -25,7 +25,8 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from contextlib import contextmanager
+from typing import Any, AsyncIterator, Iterator
 
 from services.worker.engines.base import (Engine, EngineLoad, EngineOutput, EngineRequestError, EngineSpec,
                                           PromptTokens)
@@ -58,6 +59,7 @@ class VllmEngineConfig:
     nixl_host: str = "127.0.0.1"  # the NIXL side channel (peers fetch this engine's NIXL metadata there)
     nixl_port: int = 0  # 0: a free port
     kv_buffer_device: str = "cpu"  # where NIXL reads and writes KV ("cpu" here; "cuda" on GPUs)
+    nixl_threads: int = 0  # UCX worker threads of the NIXL agent (vLLM's default is 4)
     max_num_batched_tokens: int = 0  # tokens one step computes at most (the pool's prefill budget); 0: vLLM's
 
     def __post_init__(self) -> None:
@@ -89,9 +91,9 @@ class VllmEngine(Engine):
     async def start(self) -> EngineSpec:
         c = self.config
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(c.kv_cache_gib)))
+        engine_env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(c.kv_cache_gib)))}
         if c.cpu_core >= 0:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(c.cpu_core)
+            engine_env["VLLM_CPU_OMP_THREADS_BIND"] = str(c.cpu_core)
         from vllm.config import KVEventsConfig, StructuredOutputsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -103,7 +105,7 @@ class VllmEngine(Engine):
             self._kv_subscriber = KvEventSubscriber()
             kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                               endpoint=self._kv_subscriber.endpoint, topic=TOPIC)
-        kv_transfer_config = self._kv_transfer_config()
+        kv_transfer_config = self._kv_transfer_config(engine_env)
         args = AsyncEngineArgs(
             model=c.model_path, served_model_name=c.model, enforce_eager=True, max_model_len=c.max_model_len,
             block_size=c.block_size or None, enable_prefix_caching=c.enable_prefix_caching,
@@ -115,7 +117,8 @@ class VllmEngine(Engine):
             logits_processors=[_CLOSING_PROCESSOR] if c.budget_closing else None,
             kv_transfer_config=kv_transfer_config, max_num_batched_tokens=c.max_num_batched_tokens or None,
         )
-        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._prompt.logger_factory()])
+        with _environment(engine_env):  # read while vLLM configures itself and by the processes it starts
+            self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._prompt.logger_factory()])
         vllm_config = self._llm.vllm_config
         self._num_kv_blocks = int(vllm_config.cache_config.num_gpu_blocks or 0)
         self._block_size = int(vllm_config.cache_config.block_size)
@@ -145,7 +148,7 @@ class VllmEngine(Engine):
             pass
         self._prompt.reset()
 
-    def _kv_transfer_config(self) -> Any:
+    def _kv_transfer_config(self, engine_env: dict[str, str]) -> Any:
         c = self.config
         if c.kv_connector != "nixl":
             return None
@@ -154,12 +157,12 @@ class VllmEngine(Engine):
         from infermesh.processes import free_port
 
         port = c.nixl_port or free_port()
-        # read by the engine core process vLLM starts next (it inherits this environment)
-        os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = c.nixl_host
-        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
+        engine_env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = c.nixl_host
+        engine_env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
         self._nixl_endpoint = f"{c.nixl_host}:{port}"
         return KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both", kv_buffer_device=c.kv_buffer_device,
-                                engine_id=c.worker_id or None, kv_load_failure_policy="recompute")
+                                engine_id=c.worker_id or None, kv_load_failure_policy="recompute",
+                                kv_connector_extra_config={"num_threads": c.nixl_threads})
 
     async def stop(self) -> None:
         if self._llm is not None:
@@ -285,6 +288,22 @@ class _PromptTokenCounter:
                 pass
 
         return PromptTokenLogger
+
+
+@contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in os.environ for the duration, then the environment as it was: the engine's processes keep their
+    copy, and a second engine in this process (tests) does not inherit the first one's core or ports."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 async def _rejections_as(stream: AsyncIterator[Any], rejection: type[Exception]) -> AsyncIterator[Any]:

@@ -3,7 +3,6 @@ tiny random-weight model (marked vllm and slow; started only when a test selecti
 
 from __future__ import annotations
 
-import os
 import uuid
 from dataclasses import dataclass
 
@@ -51,16 +50,8 @@ async def start_tool_mesh(nats_url: str, engine: str, model_path: str, close_wit
                                 max_model_len=max_model_len, block_size=16, num_kv_blocks=16384,
                                 sim_ttft_ms=0.5, sim_itl_ms=0.0, heartbeat_ttl_s=60.0)
     else:
-        saved = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")}
-        try:
-            await mesh.start_worker(worker_id="vllm-0", engine="vllm", model=MODEL, model_path=model_path,
-                                    max_model_len=min(max_model_len, 2048), cpu_core=0, heartbeat_ttl_s=60.0)
-        finally:  # the engine core has its copy; don't leak the pinning into other tests
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        await mesh.start_worker(worker_id="vllm-0", engine="vllm", model=MODEL, model_path=model_path,
+                                max_model_len=min(max_model_len, 2048), cpu_core=0, heartbeat_ttl_s=60.0)
     for value in close_within:
         await mesh.start_edge(admission=False, tool_close_within=value)
     for edge in mesh.edges:
