@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+# Justified skips: torch and triton come with the vllm extra that scripts/test always installs (so CI runs these);
+# a bare checkout without them has nothing to run the kernels on.
 torch = pytest.importorskip("torch", reason="the kernels take torch tensors; torch is part of the vllm extra")
 if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed in this environment (the kernels need it)", allow_module_level=True)
@@ -63,7 +65,7 @@ INTERPRETED_API = load_interpreted_api()
 def api(monkeypatch):
     """The interpreted launchers; TRITON_INTERPRET stays set while the test runs (triton imports lazily on launch)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    if INTERPRETED_API is None:
+    if INTERPRETED_API is None:  # justified: test_interpreter_suite_in_subprocess runs these same tests instead
         pytest.skip("triton was imported in this process before TRITON_INTERPRET could be set; "
                     "test_interpreter_suite_in_subprocess runs these tests in a fresh process")
     return INTERPRETED_API
@@ -211,7 +213,7 @@ def test_kernels_compile_for_sm90_without_a_gpu() -> None:
 
 
 def test_interpreter_suite_in_subprocess() -> None:
-    if INTERPRETED_API is not None:
+    if INTERPRETED_API is not None:  # justified: exactly one of the two paths runs the kernel tests
         pytest.skip("the interpreter tests ran in this process")
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
