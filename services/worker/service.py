@@ -31,6 +31,7 @@ log = logging.getLogger("infermesh.worker")
 _tracer = tracer("infermesh.worker")
 SNAPSHOT_KEEP_S = 30.0  # how long a paged snapshot stays readable
 
+NO_PROMPT_TOKENS = PromptTokens()  # engines that do not count where prompt tokens came from
 
 class WorkerService:
     def __init__(self, config: WorkerConfig, bus: Bus, engine: Engine | None = None) -> None:
@@ -159,7 +160,7 @@ class WorkerService:
     def load_snapshot(self) -> LoadSnapshot:
         load = self.engine.load()
         self._load_seq += 1
-        prompt = load.prompt_tokens or PromptTokens()
+        prompt = load.prompt_tokens or NO_PROMPT_TOKENS
         return LoadSnapshot(
             source_id=self.worker_id, seq=self._load_seq, ts=schema.now(), num_running=load.num_running,
             num_waiting=load.num_waiting, num_active_blocks=load.num_active_blocks,
