@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infermesh.processes import ProcessGroup, free_port, wait_for_port
+from infermesh.supervisor import SupervisedGroup, Supervisor
 
 
 PD_HEARTBEAT_TTL_S = 15.0  # vLLM P/D workers on CPU (see start_processes)
@@ -251,7 +252,7 @@ def run_mesh(options: MeshOptions) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     state = Path(options.state_dir or tempfile.mkdtemp(prefix="infermesh-"))
-    group = ProcessGroup(state / "logs")
+    group = SupervisedGroup(state / "logs")
     try:
         model_path = _resolve_model_path(options)
         nats_url = start_processes(group, options, model_path, state)
@@ -270,18 +271,9 @@ def run_mesh(options: MeshOptions) -> int:
               f" --nats-url {nats_url})\n"
               f"\n  python -c \"from openai import OpenAI; c = OpenAI(base_url='{base_url}', api_key='{options.dev_key}');"
               f" print(c.chat.completions.create(model='{options.model}', messages=[{{'role': 'user', 'content': 'Hi'}}],"
-              f" max_tokens=32).choices[0].message.content)\"\n\n  Ctrl-C stops everything.\n", flush=True)
-        reported: set[str] = set()
-        while not stop.is_set():
-            for child in group.dead():
-                if child.name in reported:
-                    continue
-                reported.add(child.name)
-                _say(f"{child.name} exited with code {child.popen.returncode}:\n{child.tail()}")
-                if not child.name.startswith("worker-"):
-                    return 1  # the mesh cannot serve without NATS, router or edge
-                _say("the other workers keep serving")
-            stop.wait(0.5)
+              f" max_tokens=32).choices[0].message.content)\"\n\n  A process that dies is restarted (backoff 0.5 s doubling to 30 s)."
+              "\n  Ctrl-C stops everything.\n", flush=True)
+        Supervisor(group, _say).run(stop)  # restarts what dies until Ctrl-C / SIGTERM
         return 0
     finally:
         _say("stopping")
