@@ -24,6 +24,11 @@ from pathlib import Path
 from infermesh import admin_cli
 
 DEFAULT_MODEL = "gemma-3-270m"
+UP_DESCRIPTION = (
+    "Runs NATS, router, breaker, admission, metering, the workers and the edge as processes and supervises "
+    "them: one that dies is logged and restarted after 0.5 s, doubling to 30 s while it keeps crashing "
+    "(reset once it stays up 30 s; a crash loop is retried every 30 s), while the rest keeps serving. "
+    "Ctrl-C or SIGTERM stops everything, restarting nothing. Logs: STATE_DIR/logs/NAME.log.")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    up = commands.add_parser("up", help="run the whole mesh on this machine")
+    up = commands.add_parser("up", help="run the whole mesh on this machine", description=UP_DESCRIPTION)
     up.add_argument("--engine", choices=["vllm", "sim"], default=None,
                     help="default: vllm, or sim with --sim-decoders/--sim-prefill")
     up.add_argument("--workers", type=int, default=1, help="number of workers (vllm: at most one per core)")

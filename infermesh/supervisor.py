@@ -12,6 +12,7 @@ The supervisor runs in the thread that started the children: PR_SET_PDEATHSIG fi
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -55,8 +56,13 @@ class SupervisedGroup(ProcessGroup):
         return super().spawn(name, argv, env)
 
     def respawn(self, name: str) -> Child:
-        """Start ``name`` again as it first was, in its old place in ``children`` (the stop order holds)."""
+        """Start ``name`` again as it first was, in its old place in ``children`` (the stop order holds).
+        What the dead child left in its process group (vLLM's engine core) is killed first."""
         index = next(i for i, child in enumerate(self.children) if child.name == name)
+        try:
+            os.killpg(self.children[index].popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         argv, env = self.specs[name]
         child = super().spawn(name, argv, env)  # appended last
         self.children[index] = self.children.pop()

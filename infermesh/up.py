@@ -1,4 +1,5 @@
-"""``infermesh up``: NATS, router, workers and edge as separate processes on this machine."""
+"""``infermesh up``: NATS, router, workers and edge as separate processes on this machine, restarted
+when they die (``supervisor.py``)."""
 
 from __future__ import annotations
 

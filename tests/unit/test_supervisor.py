@@ -6,6 +6,7 @@ import re
 import signal
 import threading
 
+import psutil
 import pytest
 
 from infermesh.supervisor import SupervisedGroup, Supervisor, describe_exit, exit_message
@@ -112,3 +113,18 @@ def test_the_exit_line_names_process_cause_count_and_delay():
                       crash_looping=True)
     assert exit_message(restart) == ("worker-1 died (killed by SIGKILL) after 3.0 s up; restart #12 in 30 s; "
                                      "crash-looping (9 quick exits in a row): retrying every 30 s until it stays up")
+
+
+def test_a_restart_first_kills_what_the_dead_child_left_in_its_process_group(tmp_path, group):
+    pid_file = tmp_path / "grandchild"
+    group.spawn("leaky", ["sh", "-c", f"sleep 60 & echo $! > {pid_file}; exit 3"])  # as vLLM's engine core
+    clock = Clock()
+    supervisor = Supervisor(group, lambda _line: None, clock=clock)
+    child(group, "leaky").popen.wait(5)
+    grandchild = psutil.Process(int(pid_file.read_text()))
+    supervisor.poll()
+    assert grandchild.is_running()  # the child's death left it behind
+    clock.now += 0.5
+    supervisor.poll()  # restarted: the old one's sleep is killed first
+    grandchild.wait(5)  # TimeoutExpired if it were left running
+    assert not grandchild.is_running()
