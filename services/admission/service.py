@@ -16,8 +16,11 @@ Capacity per model comes from the registry: the serving workers' KV (blocks x bl
 ``admit_fraction``, and ``concurrency_per_worker`` x workers.
 
 Budgets: every replica follows the billing bucket (metering's price sheet and each team's
-month-to-date spend); a team whose month is spent gets ``insufficient_quota``, and each admitted
-request reserves its worst-case cost until it ends (budgets.py).
+month-to-date spend); a team whose month is spent gets ``insufficient_quota``. Each admitted
+request reserves its worst-case cost until it ends, and what it cost (or, if its edge died, its
+worst case) is then held until the ledger has passed it (budgets.py). The leader keeps every
+reservation and hold in the leases bucket (store.py): a new leader starts with them, so a failover
+never forgets a cost the ledger does not have yet.
 """
 
 from __future__ import annotations
@@ -29,12 +32,11 @@ import uuid
 from collections import Counter
 
 from nats.aio.msg import Msg
-from nats.js.kv import KeyValue
-
-from services.admission.budgets import Budgets, OverBudget
+from services.admission.budgets import Budgets, HoldChanges, OverBudget
 from services.admission.config import AdmissionConfig, parse_teams
 from services.admission.leader import Leadership
 from services.admission.ledger import Grant, Lease, Ledger, PoolLimits, Reject, Wait, Waiter
+from services.admission.store import LeaseStore
 from shared import schema
 from shared.bus import Bus
 from shared.kv_cas import ensure_bucket
@@ -59,8 +61,10 @@ class AdmissionService:
         self._subs: list[object] = []
         self._tick: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
-        self._kv: KeyValue | None = None  # the leases bucket
+        self._store: LeaseStore | None = None  # the leases bucket
         self.budgets = Budgets()
+        self._lapsing: list[str] = []  # lapsed leases whose reservations are not yet holds
+        self._cleared: list[str] = []  # holds the ledger passed, still to delete from the bucket
         self._billing_watch: asyncio.Task[None] | None = None
         self._billing_watcher: object = None
         self.stats: Counter[str] = Counter()
@@ -69,7 +73,7 @@ class AdmissionService:
                                      self._deposed)
 
     async def start(self) -> None:
-        self._kv = await ensure_bucket(self.bus, self.bus.subjects.leases_bucket)
+        self._store = LeaseStore(self.bus, await ensure_bucket(self.bus, self.bus.subjects.leases_bucket))
         self.directory.on_added.append(lambda _info: self._capacity_changed())
         self.directory.on_removed.append(lambda _id: self._capacity_changed())
         await self.directory.start()
@@ -96,7 +100,7 @@ class AdmissionService:
                 if key == "prices":
                     self.budgets.on_prices(schema.decode(value, PriceSheet))
                 elif key.startswith("spend."):
-                    self.budgets.on_spend(schema.decode(value, TeamSpend))
+                    self._holds_cleared(self.budgets.on_spend(schema.decode(value, TeamSpend), time.time()))
             except Exception as exc:
                 log.warning("bad billing record %s: %s", key, exc)
 
@@ -132,31 +136,26 @@ class AdmissionService:
         self._waiting.clear()
         self.ledgers.clear()
         self.models.clear()
-        self.budgets.clear_leases()
+        self._lapsing.clear()
+        self._cleared.clear()
+        self.budgets.forget_leader_state()
 
     async def _restore(self) -> None:
-        """Every lease still in the bucket is held until its holder stops renewing it."""
-        kv = self._kv
-        assert kv is not None
-        try:
-            keys = [k for k in await kv.keys() if k.startswith("l-")]
-        except Exception:  # no keys at all
-            keys = []
+        """Every lease still in the bucket is held until its holder stops renewing it; every budget hold until
+        the ledger passes it."""
+        assert self._store is not None
+        leases, holds = await self._store.load()
+        for hold in holds:
+            await self._store.apply(self.budgets.restore_hold(hold))
         now = time.time()
-        for key in keys:
-            try:
-                entry = await kv.get(key)
-            except Exception:
-                continue
-            if not entry.value:
-                continue
-            record = schema.decode(entry.value, LeaseRecord)
+        for record in leases:
             self._ledger(record.model).restore(Lease(record.lease_id, record.team, record.klass, record.tokens,
                                                      record.holder, now + self.config.lease_ttl_s))
             self.models[record.lease_id] = record.model
-            self.budgets.hold(record.lease_id, record.team, record.reserved_nano)
-        self.stats["restored"] += len(keys)
-        log.info("admission %s restored %d leases", self.admission_id, len(keys))
+            self.budgets.restore_reservation(record.lease_id, record.team, record.reserved_nano)
+        self.stats["restored"] += len(leases)
+        self.stats["holds_restored"] += len(holds)
+        log.info("admission %s restored %d leases and %d budget holds", self.admission_id, len(leases), len(holds))
 
     # ------------------------------------------------------------ capacity
     def _pool(self, model: str) -> PoolLimits:
@@ -216,29 +215,61 @@ class AdmissionService:
         await self.bus.respond(raw, LeaseRenewReply(unknown))
 
     async def _on_release(self, request: LeaseRelease, _raw: Msg) -> None:
-        model = self.models.pop(request.lease_id, None)
-        if model is None:
+        """The hold (if the ledger lacks the usage) is durable before the lease record goes."""
+        assert self._store is not None
+        model = self.models.get(request.lease_id)
+        await self._store.apply(self.budgets.release(request.lease_id, model or "", request.usage_seq,
+                                                     request.prompt_tokens, request.cached_tokens,
+                                                     request.completion_tokens))
+        if model is None:  # unknown, or it lapsed (then its hold now also waits for this usage)
             return
+        del self.models[request.lease_id]
         self.stats["released"] += 1
-        self.budgets.release(request.lease_id, model, request.usage_seq, request.prompt_tokens,
-                             request.cached_tokens, request.completion_tokens, time.time())
-        await self._forget(request.lease_id)
+        await self._store.forget_lease(request.lease_id)
         for grant in self._ledger(model).release(request.lease_id, time.time()):
             await self._answer_grant(model, grant)
+
+    def _holds_cleared(self, changes: HoldChanges) -> None:
+        if changes.gone and self.leadership.is_leader:
+            self._cleared.extend(changes.gone)  # deleted by the tick loop
+
+    async def _keep_lapsed_costs(self) -> None:
+        """Lapsed leases (their edge died): each worst case stays held until the ledger is complete through the
+        usage stream's last sequence now, under which any usage that edge sent lies; then the record goes."""
+        assert self._store is not None
+        last_seq = await self._store.usage_last_seq()
+        if last_seq is None:
+            return  # tried again next tick; the records and reservations stay meanwhile
+        lapsing, self._lapsing = self._lapsing, []
+        for i, lease_id in enumerate(lapsing):
+            try:
+                await self._store.apply(self.budgets.lapse(lease_id, last_seq))
+            except Exception as exc:  # the hold is in memory, its lease record still in the bucket
+                log.warning("could not write the budget hold of lapsed lease %s: %s", lease_id, exc)
+                self._lapsing.extend(lapsing[i + 1:])
+                return
+            await self._store.forget_lease(lease_id)
+
+    async def _settle_budgets(self, now: float) -> None:
+        self._holds_cleared(self.budgets.settle(now))
+        cleared, self._cleared = self._cleared, []
+        if cleared:
+            assert self._store is not None
+            await self._store.apply(HoldChanges(gone=tuple(cleared)))
+        if self._lapsing:
+            await self._keep_lapsed_costs()
 
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.tick_s)
             now = time.time()
-            self.budgets.expire(now)
             for model, ledger in list(self.ledgers.items()):
                 lapsed = [lid for lid, lease in ledger.leases.items() if lease.expires_at <= now]
                 grants, rejected = ledger.tick(now)
                 for lease_id in lapsed:
                     self.stats["lapsed"] += 1
-                    self.budgets.drop(lease_id)
                     self.models.pop(lease_id, None)
-                    await self._forget(lease_id)
+                self._lapsing.extend(lapsed)
                 for grant in grants:
                     await self._answer_grant(model, grant)
                 for waiter, reject in rejected:
@@ -246,6 +277,7 @@ class AdmissionService:
                     raw = self._waiting.pop(waiter.ticket, None)
                     if raw is not None:
                         await self._answer_reject(raw, reject)
+            await self._settle_budgets(now)
 
     # ------------------------------------------------------------ answers
     async def _answer_grant(self, model: str, grant: Grant, raw: Msg | None = None) -> None:
@@ -253,8 +285,8 @@ class AdmissionService:
         raw = raw or self._waiting.pop(lease.lease_id, None)
         record = LeaseRecord(lease.lease_id, lease.team, lease.klass, model, lease.tokens, lease.holder,
                              self.budgets.reserved_nano(lease.lease_id))
-        assert self._kv is not None
-        await self._kv.put(f"l-{lease.lease_id}", schema.encode(record))  # durable before the holder hears of it
+        assert self._store is not None
+        await self._store.put_lease(record)  # durable before the holder hears of it
         self.models[lease.lease_id] = model
         self.stats["granted"] += 1
         if raw is None:  # the waiter left: give the capacity back
@@ -274,10 +306,3 @@ class AdmissionService:
             raw = self._waiting.pop(waiter.ticket, None)
             if raw is not None:
                 await self._answer_reject(raw, Reject("queue_full", "batch request yielded its place", 1.0))
-
-    async def _forget(self, lease_id: str) -> None:
-        try:
-            assert self._kv is not None
-            await self._kv.delete(f"l-{lease_id}")
-        except Exception as exc:
-            log.warning("could not delete lease %s: %s", lease_id, exc)

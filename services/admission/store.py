@@ -1,0 +1,88 @@
+"""What the admission leader keeps durable in the leases bucket, so that a new leader starts where it stopped.
+
+    <ns>_leases   l-<lease>   LeaseRecord   a granted lease and its budget reservation (put before the grant is
+                                            answered; deleted when the lease ends)
+                  h-<lease>   BudgetHold    a cost the ledger may not have yet (put when a lease ends with one;
+                                            deleted once the ledger has passed it, budgets.py)
+                  leader      the leader's id (leader.py)
+
+Order is the invariant: a lease's hold is written before its lease record is deleted, so at every moment
+each unledgered cost is in the bucket at least once (as a reservation or a hold). A leader that finds
+both for one lease keeps the hold and deletes the record: the lease ended, only its cost is pending.
+A write that fails raises (the caller keeps the record it would have replaced); a delete that fails is
+logged (a stale hold only delays the team, it is cleared again when the ledger passes it).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from nats.js.errors import NotFoundError
+from nats.js.kv import KeyValue
+
+from services.admission.budgets import HoldChanges
+from shared import schema
+from shared.bus import Bus
+from shared.schema import BudgetHold, LeaseRecord
+
+log = logging.getLogger("infermesh.admission")
+LEASE, HOLD = "l-", "h-"
+
+
+class LeaseStore:
+    def __init__(self, bus: Bus, kv: KeyValue) -> None:
+        self.bus, self.kv = bus, kv
+
+    async def put_lease(self, record: LeaseRecord) -> None:
+        await self.kv.put(LEASE + record.lease_id, schema.encode(record))
+
+    async def forget_lease(self, lease_id: str) -> None:
+        await self._delete(LEASE + lease_id)
+
+    async def apply(self, changes: HoldChanges) -> None:
+        for hold in changes.put:
+            await self.kv.put(HOLD + hold.hold_id, schema.encode(hold))
+        for hold_id in changes.gone:
+            await self._delete(HOLD + hold_id)
+
+    async def load(self) -> tuple[list[LeaseRecord], list[BudgetHold]]:
+        """Every lease record and hold in the bucket; the records of leases that already left a hold are deleted."""
+        try:
+            keys = await self.kv.keys()
+        except Exception:  # no keys at all
+            keys = []
+        holds = [hold for key in keys if key.startswith(HOLD)
+                 if (hold := await self._get(key, BudgetHold)) is not None]
+        held = {hold.hold_id for hold in holds}
+        leases = []
+        for key in keys:
+            if key.startswith(LEASE) and (record := await self._get(key, LeaseRecord)) is not None:
+                if record.lease_id in held:
+                    await self.forget_lease(record.lease_id)
+                else:
+                    leases.append(record)
+        return leases, holds
+
+    async def usage_last_seq(self) -> int | None:
+        """The usage stream's last sequence (0: no stream, so no usage was ever sent); None if it cannot be read."""
+        try:
+            info = await self.bus.js.stream_info(self.bus.subjects.usage_stream)
+        except NotFoundError:
+            return 0
+        except Exception as exc:
+            log.warning("cannot read the usage stream's last sequence: %s", exc)
+            return None
+        return info.state.last_seq
+
+    async def _get(self, key: str, kind: type) -> object | None:
+        try:
+            entry = await self.kv.get(key)
+        except Exception:  # deleted meanwhile
+            return None
+        return schema.decode(entry.value, kind) if entry.value else None
+
+    async def _delete(self, key: str) -> None:
+        try:
+            await self.kv.delete(key)
+        except Exception as exc:
+            log.warning("could not delete %s: %s", key, exc)
