@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import time
 from functools import lru_cache
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 Role = Literal["both", "prefill", "decode"]
 SERVING_ROLES = ("both", "decode")  # roles that generate for clients (prefill workers only compute KV)
 FinishReason = Literal["stop", "length", "abort", "remote"]  # remote: prefilled for a decode worker
+# Why a token stream failed: set by the worker (engine_error, bad_request, worker_shutdown) or by the edge's
+# receiver (worker_unavailable: it left the registry or has no subscriber; timeout; stream_gap; bad_message:
+# undecodable; shutdown: the edge is stopping).
+StreamErrorCode = Literal["engine_error", "bad_request", "worker_shutdown", "worker_unavailable", "timeout",
+                          "stream_gap", "bad_message", "shutdown"]
 
 
 # ---------------------------------------------------------------- registry
@@ -170,16 +175,6 @@ class LeaseRecord(Struct, frozen=True):
     reserved_nano: int = 0  # worst-case cost held against the team's budget while the lease lives
 
 
-class BudgetHold(Struct, frozen=True):
-    """A cost the ledger may not have yet (key ``h-<lease>`` in the leases bucket): admission counts it against
-    the team's budget until ``TeamSpend.through_seq`` reaches ``until_seq``, so a new leader starts with it."""
-
-    hold_id: str  # the lease it came from
-    team: str
-    nano: int  # the request's actual cost (released with usage) or its worst case (lapsed)
-    until_seq: int  # the usage stream sequence the ledger must be complete through
-
-
 class Outcome(Struct, frozen=True):
     """How one attempt went on one worker, published by the edge for the breaker."""
 
@@ -224,6 +219,19 @@ class SessionBinding(Struct, frozen=True):
 
 # ---------------------------------------------------------------- metering and billing
 UsageStatus = Literal["finished", "cancelled", "failed"]
+# How a billed attempt ended: its stream's finish reason, or (status "failed") the stream error's code.
+UsageFinishReason = Literal[FinishReason, StreamErrorCode]
+# The longest strings the ledger keeps: services/metering/models.py sizes its columns from these, and a
+# usage message over one fails validation (it is dead-lettered, never blocks the messages behind it).
+MAX_REQUEST_ID = 64
+MAX_TEAM = 64
+MAX_KEY_PREFIX = 32
+MAX_MODEL = 256
+MAX_WORKER_ID = 128
+MAX_TRACE_ID = 32
+MAX_COUNT = 2**31 - 1  # token counts and attempts are 32-bit integer columns
+MAX_UNIX_S = 253402300799.0  # 9999-12-31T23:59:59Z, the last second a datetime holds
+Count = Annotated[int, Meta(ge=0, le=MAX_COUNT)]
 
 
 class UsageEvent(Struct, frozen=True):
@@ -233,22 +241,22 @@ class UsageEvent(Struct, frozen=True):
     a request that failed before any token is not billed. The counts are those the client was told
     (finished) or that the engine reported generating (cancelled, failed)."""
 
-    request_id: str
-    attempt: int
-    team: str
-    key_prefix: str  # the API key's visible prefix ("" for a static operator key)
-    model: str
+    request_id: Annotated[str, Meta(max_length=MAX_REQUEST_ID)]
+    attempt: Count
+    team: Annotated[str, Meta(max_length=MAX_TEAM)]
+    key_prefix: Annotated[str, Meta(max_length=MAX_KEY_PREFIX)]  # the API key's visible prefix ("": static key)
+    model: Annotated[str, Meta(max_length=MAX_MODEL)]
     status: UsageStatus
-    finish_reason: str
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
+    finish_reason: UsageFinishReason
+    prompt_tokens: Count
+    cached_tokens: Count
+    completion_tokens: Count
     ttft_ms: float
     duration_ms: float
-    worker_id: str
-    prefill_worker_id: str = ""
-    trace_id: str = ""
-    created_at: float = 0.0  # unix seconds: when the edge received the request
+    worker_id: Annotated[str, Meta(max_length=MAX_WORKER_ID)]
+    prefill_worker_id: Annotated[str, Meta(max_length=MAX_WORKER_ID)] = ""
+    trace_id: Annotated[str, Meta(max_length=MAX_TRACE_ID)] = ""
+    created_at: Annotated[float, Meta(ge=0.0, le=MAX_UNIX_S)] = 0.0  # unix seconds: when the edge received it
 
 
 class ApiKeyRecord(Struct, frozen=True):
@@ -292,6 +300,24 @@ class TeamSpend(Struct, frozen=True):
     budget_nano: int  # -1: no budget
     spent_nano: int  # month-to-date cost in the ledger
     through_seq: int  # every usage message up to this stream sequence is in spent_nano
+
+
+# undecodable: not msgpack of a UsageEvent's shape; invalid: a value outside its type or bounds (an unknown
+# finish reason, a string too long); rejected: the database refused it (a constraint, a data error)
+DeadLetterReason = Literal["undecodable", "invalid", "rejected"]
+
+
+class DeadLetter(Struct, frozen=True, kw_only=True):
+    """A usage message metering can never write, kept on the dead-letter stream (``<ns>_usage_dlq``) as it
+    came, with why. To replay one, fix the cause and publish ``data`` with ``headers`` on ``<ns>.usage``."""
+
+    reason: DeadLetterReason
+    error: str  # the decoder's or the database's message
+    stream_seq: int  # its sequence in the usage stream
+    subject: str
+    data: bytes
+    headers: dict[str, str] = {}
+    ts: float = 0.0  # when it was dead-lettered
 
 # ---------------------------------------------------------------- generation
 class Structured(Struct, frozen=True):
@@ -370,7 +396,7 @@ class StreamError(Struct, frozen=True, tag="err"):
     seq: int
     ts: float
     request_id: str
-    code: str  # "engine_error" | "bad_request" | "worker_unavailable" | "timeout"
+    code: StreamErrorCode
     message: str
 
 

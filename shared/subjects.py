@@ -24,6 +24,7 @@ tests - can share one NATS server without hearing each other.
     KV bucket <ns>_sessions           key s-<hash>   SessionBinding, per-key idle TTL, CAS writes
     KV bucket <ns>_breakers           key <id>       BreakerRecord, CAS writes (probe permits too)
     <ns>.usage                        JetStream <NS>_usage   UsageEvent, dedupe id <request_id>:<attempt>
+    <ns>.usage_dlq                    JetStream <NS>_usage_dlq  DeadLetter (usage metering can never write)
     KV bucket <ns>_api_keys           key <sha256>   ApiKeyRecord (metering keeps it in step with the ledger)
     KV bucket <ns>_billing            key prices     PriceSheet; key spend.<team>: TeamSpend
     <ns>.metering.keys_changed        publish        (empty): the CLI changed keys; metering syncs at once
@@ -121,6 +122,14 @@ class Subjects:
     @property
     def usage_stream(self) -> str:
         return f"{self.namespace}_usage"
+
+    @property
+    def usage_dead_letters(self) -> str:
+        return f"{self.namespace}.usage_dlq"
+
+    @property
+    def usage_dead_letter_stream(self) -> str:
+        return f"{self.namespace}_usage_dlq"
 
     @property
     def keys_changed(self) -> str:

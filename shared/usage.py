@@ -6,6 +6,11 @@
 Each message carries ``Nats-Msg-Id: <request_id>:<attempt>``, so an edge that publishes again
 after a lost acknowledgement adds nothing inside the stream's duplicate window; metering's
 unique (request_id, attempt) key makes any later duplicate harmless too.
+
+A usage message metering can never write (undecodable, invalid, refused by the database) goes to
+the dead-letter stream ``<ns>_usage_dlq`` as a ``DeadLetter`` (``ensure_dead_letter_stream``), kept
+30 days for an operator to read and replay; its ``Nats-Msg-Id`` is its usage stream sequence, so a
+message dead-lettered twice (metering died before its ack) is kept once.
 """
 
 from __future__ import annotations
@@ -23,17 +28,31 @@ from shared.schema import UsageEvent
 
 log = logging.getLogger("infermesh.usage")
 RETENTION_S = 7 * 24 * 3600.0  # metering may be away this long without losing usage
+DEAD_LETTER_RETENTION_S = 30 * 24 * 3600.0  # an operator has this long to read and replay a dead letter
 DUPLICATE_WINDOW_S = 300.0
 
 
 async def ensure_usage_stream(bus: Bus) -> None:
-    config = StreamConfig(name=bus.subjects.usage_stream, subjects=[bus.subjects.usage],
-                          retention=RetentionPolicy.LIMITS, storage=StorageType.FILE, max_age=RETENTION_S,
-                          duplicate_window=DUPLICATE_WINDOW_S)
+    await _ensure_stream(bus, bus.subjects.usage_stream, bus.subjects.usage, RETENTION_S)
+
+
+async def ensure_dead_letter_stream(bus: Bus) -> None:
+    await _ensure_stream(bus, bus.subjects.usage_dead_letter_stream, bus.subjects.usage_dead_letters,
+                         DEAD_LETTER_RETENTION_S)
+
+
+def dead_letter_id(stream_seq: int) -> str:
+    """The dead letter's ``Nats-Msg-Id``: one per usage message, however often it is dead-lettered."""
+    return f"usage-seq-{stream_seq}"
+
+
+async def _ensure_stream(bus: Bus, name: str, subject: str, max_age_s: float) -> None:
+    config = StreamConfig(name=name, subjects=[subject], retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
+                          max_age=max_age_s, duplicate_window=DUPLICATE_WINDOW_S)
     try:
         await bus.js.add_stream(config)
     except BadRequestError:  # it exists with another config (an operator changed it): keep theirs
-        log.info("usage stream %s exists with its own config", config.name)
+        log.info("stream %s exists with its own config", config.name)
 
 
 def dedupe_id(event: UsageEvent) -> str:

@@ -22,8 +22,12 @@ class MeteringConfig(BusConfig):
     sync_s: float = 0.5  # keys, prices, budgets and spend are brought onto the bus this often
     spend_sync_s: float = 0.1  # after usage is committed, spend reaches admission within this
     retry_max_s: float = 2.0  # the longest pause between attempts while the database is away
+    writer_restart_s: float = 0.5  # a writer that died is restarted after this, doubling up to writer_restart_max_s
+    writer_restart_max_s: float = 10.0
+    max_lag_s: float = 30.0  # /health is 503 while a usage message stored this long ago is not yet in the ledger
 
     def __post_init__(self) -> None:
         assert self.batch_size >= 1 and self.fetch_wait_s > 0 and self.ack_wait_s > 0 and self.sync_s > 0
         assert self.writers >= 1 and self.spend_sync_s > 0
+        assert 0 < self.writer_restart_s <= self.writer_restart_max_s and self.max_lag_s > 0
         assert self.billing_port >= -1

@@ -1,8 +1,13 @@
-"""Metering's HTTP server: the billing API and dashboards (billing_api.py), plus ``/metrics``."""
+"""Metering's HTTP server: the billing API and dashboards (billing_api.py), plus ``/metrics`` and ``/health``.
+
+``/health`` is the service's (``MeteringService.health``): 200 while every usage writer runs and the
+ledger keeps up with the usage stream, else 503; the JSON body says which and why.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import uvicorn
@@ -23,14 +28,16 @@ class BillingServer:
         self.port = port
 
     async def _asgi(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] == "/metrics":
+        path = scope["path"] if scope["type"] == "http" else ""
+        if path == "/metrics":
             s = self.service
-            body = prometheus_text(s.stats, s.lag.quantiles(), s.pending, s.db_up).encode()
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"text/plain; version=0.0.4")]})
-            await send({"type": "http.response.body", "body": body})
-            return
-        await self.app(scope, receive, send)
+            body = prometheus_text(s.stats, s.lag.quantiles(), s.pending, s.db_up, s.health()).encode()
+            await _respond(send, 200, b"text/plain; version=0.0.4", body)
+        elif path == "/health":
+            health = self.service.health()
+            await _respond(send, 200 if health.ok else 503, b"application/json", json.dumps(health.body()).encode())
+        else:
+            await self.app(scope, receive, send)
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._server.serve(), name="billing-http")
@@ -45,3 +52,8 @@ class BillingServer:
         self._server.should_exit = True
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
+
+
+async def _respond(send: Any, status: int, content_type: bytes, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", content_type)]})
+    await send({"type": "http.response.body", "body": body})

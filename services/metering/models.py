@@ -3,17 +3,29 @@
 Money is integers: prices in micro-USD per 1M tokens, costs in nano-USD, so totals are exact sums
 on both databases. Teams are referred to by name (their natural key) everywhere, and the usage
 table keeps the name it was billed under, so a ledger row never changes after it is written.
+
+The usage columns and the wire type share one definition (``shared/schema.py``): string columns are
+as long as ``UsageEvent``'s bounds (``MAX_*``), and a closed set (status, finish reason) is a column
+``CODE_WIDTH`` long with a CHECK that it is one of its ``Literal``'s members. A message that fits the
+type fits the table; tests/unit/test_ledger_types.py holds both to it, test_ledger_db.py the migrations.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+from typing import get_args
 
-from sqlalchemy import (BigInteger, Boolean, Date, DateTime, Float, ForeignKey, Integer, MetaData, String,
-                        UniqueConstraint, func)
+from sqlalchemy import (BigInteger, Boolean, CheckConstraint, Date, DateTime, Float, ForeignKey, Integer, MetaData,
+                        String, UniqueConstraint, func)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-NAME = String(64)
+from shared.schema import (MAX_KEY_PREFIX, MAX_MODEL, MAX_REQUEST_ID, MAX_TEAM, MAX_TRACE_ID, MAX_WORKER_ID,
+                           UsageFinishReason, UsageStatus)
+
+NAME = String(MAX_TEAM)
+MODEL = String(MAX_MODEL)
+PREFIX = String(MAX_KEY_PREFIX)
+CODE_WIDTH = 32  # a closed set's column: its longest member must fit (worker_unavailable is 18)
 ANY_MONTH = "*"  # a team's budget for every month without its own row
 
 # Every constraint gets a name the migrations can refer to: SQLite's batch mode cannot drop or alter an
@@ -29,6 +41,12 @@ NAMING_CONVENTION = {
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+def one_of(column: str, kind: object) -> CheckConstraint:
+    """``column`` holds only a member of the Literal ``kind`` (named ``ck_<table>_<column>``)."""
+    members = ", ".join(f"'{member}'" for member in get_args(kind))
+    return CheckConstraint(f"{column} IN ({members})", name=column)
 
 
 def _created() -> Mapped[dt.datetime]:
@@ -49,7 +67,7 @@ class ApiKey(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     team: Mapped[str] = mapped_column(NAME, ForeignKey("teams.name"), index=True, nullable=False)
-    prefix: Mapped[str] = mapped_column(String(32), unique=True, nullable=False)
+    prefix: Mapped[str] = mapped_column(PREFIX, unique=True, nullable=False)
     key_hash: Mapped[str] = mapped_column(String(64), unique=True, nullable=False)
     name: Mapped[str] = mapped_column(String(128), default="", nullable=False)
     is_admin: Mapped[bool] = mapped_column(Boolean, default=False, nullable=False)
@@ -60,7 +78,7 @@ class ApiKey(Base):
 class Model(Base):
     __tablename__ = "models"
 
-    name: Mapped[str] = mapped_column(String(256), primary_key=True)
+    name: Mapped[str] = mapped_column(MODEL, primary_key=True)
     created_at: Mapped[dt.datetime] = _created()
 
 
@@ -71,7 +89,7 @@ class Price(Base):
     __table_args__ = (UniqueConstraint("model", "effective_from"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    model: Mapped[str] = mapped_column(String(256), ForeignKey("models.name"), nullable=False)
+    model: Mapped[str] = mapped_column(MODEL, ForeignKey("models.name"), nullable=False)
     input_micros: Mapped[int] = mapped_column(BigInteger, nullable=False)
     cached_input_micros: Mapped[int] = mapped_column(BigInteger, nullable=False)
     output_micros: Mapped[int] = mapped_column(BigInteger, nullable=False)
@@ -82,26 +100,27 @@ class Usage(Base):
     """One billed attempt. (request_id, attempt) is unique: a redelivered usage message inserts nothing."""
 
     __tablename__ = "usage"
-    __table_args__ = (UniqueConstraint("request_id", "attempt", name="uq_usage_request_attempt"),)
+    __table_args__ = (UniqueConstraint("request_id", "attempt", name="uq_usage_request_attempt"),
+                      one_of("status", UsageStatus), one_of("finish_reason", UsageFinishReason))
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
                                     autoincrement=True)
-    request_id: Mapped[str] = mapped_column(String(64), nullable=False)
+    request_id: Mapped[str] = mapped_column(String(MAX_REQUEST_ID), nullable=False)
     attempt: Mapped[int] = mapped_column(Integer, nullable=False)
     team: Mapped[str] = mapped_column(NAME, nullable=False)
-    key_prefix: Mapped[str] = mapped_column(String(32), nullable=False)
-    model: Mapped[str] = mapped_column(String(256), nullable=False)
+    key_prefix: Mapped[str] = mapped_column(PREFIX, nullable=False)
+    model: Mapped[str] = mapped_column(MODEL, nullable=False)
     prompt_tokens: Mapped[int] = mapped_column(Integer, nullable=False)
     cached_tokens: Mapped[int] = mapped_column(Integer, nullable=False)
     completion_tokens: Mapped[int] = mapped_column(Integer, nullable=False)
     cost_nano: Mapped[int] = mapped_column(BigInteger, nullable=False)
-    status: Mapped[str] = mapped_column(String(16), nullable=False)
-    finish_reason: Mapped[str] = mapped_column(String(16), nullable=False)
+    status: Mapped[str] = mapped_column(String(CODE_WIDTH), nullable=False)
+    finish_reason: Mapped[str] = mapped_column(String(CODE_WIDTH), nullable=False)
     ttft_ms: Mapped[float] = mapped_column(Float, nullable=False)
     duration_ms: Mapped[float] = mapped_column(Float, nullable=False)
-    worker_id: Mapped[str] = mapped_column(String(128), nullable=False)
-    prefill_worker_id: Mapped[str] = mapped_column(String(128), nullable=False, default="")
-    trace_id: Mapped[str] = mapped_column(String(32), nullable=False, default="")
+    worker_id: Mapped[str] = mapped_column(String(MAX_WORKER_ID), nullable=False)
+    prefill_worker_id: Mapped[str] = mapped_column(String(MAX_WORKER_ID), nullable=False, default="")
+    trace_id: Mapped[str] = mapped_column(String(MAX_TRACE_ID), nullable=False, default="")
     stream_seq: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)  # the usage message's sequence
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), nullable=False, index=True)
     ingested_at: Mapped[dt.datetime] = _created()
@@ -114,8 +133,8 @@ class UsageDaily(Base):
 
     team: Mapped[str] = mapped_column(NAME, primary_key=True)
     day: Mapped[dt.date] = mapped_column(Date, primary_key=True)
-    model: Mapped[str] = mapped_column(String(256), primary_key=True)
-    key_prefix: Mapped[str] = mapped_column(String(32), primary_key=True)
+    model: Mapped[str] = mapped_column(MODEL, primary_key=True)
+    key_prefix: Mapped[str] = mapped_column(PREFIX, primary_key=True)
     requests: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
     prompt_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
     cached_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)

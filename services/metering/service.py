@@ -2,11 +2,18 @@
 
     edge --UsageEvent--> JetStream <NS>_usage --durable pull consumer--> write_usage (one transaction
     per batch) --> ack every message of the batch
+                     a message that can never be written --> <NS>_usage_dlq, then acked
 
 A message is acked only after its batch committed. While the database is away the batch is held
 and retried (its messages marked in progress so JetStream does not hand them to another replica);
 if metering dies, JetStream redelivers whatever was not acked, and the unique (request_id, attempt)
 key makes the second insert a no-op. Replicas may share the durable consumer.
+
+A message that can never be written never holds the others back: one that does not decode or fails
+validation is dead-lettered at once; a batch the database refuses for its data (SQLSTATE 22/23) is
+split (poison.py) until the messages at fault are found and dead-lettered, and the rest committed.
+Each writer runs under a supervisor that restarts it with backoff if it dies; ``health()`` is false
+while one is down or while the ledger lags the stream by more than ``max_lag_s``.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import logging
 import time
 from collections import Counter
 
+import msgspec
 import nats.errors
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -24,19 +32,23 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from services.metering.config import MeteringConfig
 from services.metering.db import create_engine, database_url, migrate
-from services.metering.ledger import write_usage
-from services.metering.metrics import LagWindow
+from services.metering.dead_letters import DeadLetters
+from services.metering.ledger import Written, write_usage
+from services.metering.metrics import Health, LagWindow, dead_letter_key
+from services.metering.poison import Isolation
 from services.metering.pricing import PriceBook
 from services.metering.sync import BusViews, load_keys, load_prices
 from shared import schema
 from shared.bus import Bus
 from shared.kv_cas import ensure_bucket
-from shared.schema import UsageEvent
+from shared.schema import DeadLetterReason, UsageEvent
 from shared.usage import ensure_usage_stream
 
 log = logging.getLogger("infermesh.metering")
 UTC = dt.timezone.utc
 STOP_WAIT_S = 5.0
+WRITER_STABLE_S = 30.0  # a writer that ran this long before dying is restarted after writer_restart_s again
+Item = tuple[int, UsageEvent]  # (stream sequence, event)
 
 
 class MeteringService:
@@ -51,11 +63,14 @@ class MeteringService:
         self.lag = LagWindow()
         self.pending = 0  # messages in the stream not yet delivered to us (the consumer's backlog)
         self.db_up = True
+        self.dead_letters = DeadLetters(bus)
+        self.writer_tasks: dict[int, asyncio.Task[None]] = {}  # writer -> its running task (absent: down)
+        self._writing: dict[int, float] = {}  # writer -> when the stream stored the oldest message it writes
         self._sub: object = None
         self._tasks: list[asyncio.Task[None]] = []
         self._sync_now = asyncio.Event()  # keys changed: sync everything now
         self._spend_moved = False  # usage committed: admission should hear of the new spend soon
-        self._stopping = False
+        self._stopping = asyncio.Event()
         self._billing: object = None
         self.billing_port = 0
 
@@ -63,6 +78,7 @@ class MeteringService:
         await self._until_database(lambda: migrate(self.url), "migrate the ledger")
         self.engine = create_engine(self.url)
         await ensure_usage_stream(self.bus)
+        await self.dead_letters.start()
         s = self.bus.subjects
         self.views = BusViews(await ensure_bucket(self.bus, s.api_keys_bucket),
                               await ensure_bucket(self.bus, s.billing_bucket))
@@ -73,7 +89,7 @@ class MeteringService:
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=self.config.ack_wait_s,
                                   deliver_policy=DeliverPolicy.ALL, max_ack_pending=50_000, filter_subject=s.usage))
         self._keys_sub = await self.bus.nc.subscribe(s.keys_changed, cb=self._on_keys_changed)
-        self._tasks = [asyncio.create_task(self._consume(), name=f"metering-consume-{i}")
+        self._tasks = [asyncio.create_task(self._supervise(i), name=f"metering-writer-{i}-supervisor")
                        for i in range(self.config.writers)]  # one batch commits while the next is fetched
         self._tasks.append(asyncio.create_task(self._sync_loop(), name="metering-sync"))
         if self.config.billing_port >= 0:
@@ -83,10 +99,10 @@ class MeteringService:
 
     async def stop(self) -> None:
         """A clean stop: the batches being written commit and are acked (a bounded wait), then the rest stops."""
-        self._stopping = True
-        consumers = self._tasks[:-1]
-        if consumers:
-            await asyncio.wait(consumers, timeout=STOP_WAIT_S)
+        self._stopping.set()
+        supervisors = self._tasks[:-1]
+        if supervisors:
+            await asyncio.wait(supervisors, timeout=STOP_WAIT_S)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -100,6 +116,12 @@ class MeteringService:
         if self.engine is not None:
             await self.engine.dispose()
 
+    def health(self) -> Health:
+        now = time.time()
+        oldest = min(self._writing.values(), default=now)
+        return Health(writers=self.config.writers, writers_up=len(self.writer_tasks), lag_s=max(0.0, now - oldest),
+                      max_lag_s=self.config.max_lag_s, db_up=self.db_up)
+
     async def _start_billing(self) -> None:
         from services.metering.http import BillingServer
 
@@ -108,10 +130,41 @@ class MeteringService:
         await server.start()
         self.billing_port = server.port
 
+    # ------------------------------------------------------------ supervision
+    async def _supervise(self, writer: int) -> None:
+        """Run writer ``writer``; if it dies (an exception, or its task cancelled by anyone but stop), log it,
+        wait (``writer_restart_s`` doubling to ``writer_restart_max_s``; reset after a long run), restart it."""
+        delay = self.config.writer_restart_s
+        while not self._stopping.is_set():
+            task = asyncio.create_task(self._consume(writer), name=f"metering-writer-{writer}")
+            self.writer_tasks[writer], started = task, time.monotonic()
+            try:
+                await asyncio.wait({task})
+            except asyncio.CancelledError:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise
+            finally:
+                self.writer_tasks.pop(writer, None)
+                self._writing.pop(writer, None)
+            if self._stopping.is_set() and not task.cancelled() and task.exception() is None:
+                return
+            if time.monotonic() - started >= WRITER_STABLE_S:
+                delay = self.config.writer_restart_s
+            error = "cancelled" if task.cancelled() else repr(task.exception() or "returned")
+            self.stats["writer_restarts"] += 1
+            log.error("metering: usage writer %d died (%s); restarting it in %.1f s", writer, error, delay,
+                      exc_info=None if task.cancelled() else task.exception())
+            try:
+                await asyncio.wait_for(self._stopping.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+            delay = min(delay * 2, self.config.writer_restart_max_s)
+
     # ------------------------------------------------------------ usage -> ledger
-    async def _consume(self) -> None:
+    async def _consume(self, writer: int) -> None:
         sub = self._sub
-        while not self._stopping:
+        while not self._stopping.is_set():
             try:
                 msgs = await sub.fetch(self.config.batch_size, timeout=self.config.fetch_wait_s)  # type: ignore
             except nats.errors.TimeoutError:
@@ -122,25 +175,59 @@ class MeteringService:
                 log.warning("usage fetch failed: %s", exc)
                 await asyncio.sleep(0.5)
                 continue
-            await self._ingest(msgs)
+            if msgs:
+                self._writing[writer] = min(msg.metadata.timestamp.timestamp() for msg in msgs)
+            try:
+                await self._ingest(msgs)
+            finally:
+                self._writing.pop(writer, None)
 
     async def _ingest(self, msgs: list[Msg]) -> None:
-        batch: list[tuple[int, UsageEvent]] = []
-        for msg in msgs:
-            try:
-                batch.append((msg.metadata.sequence.stream, schema.decode(msg.data, UsageEvent)))
-            except Exception as exc:  # never decodable: do not let it come back forever
-                self.stats["malformed"] += 1
-                log.error("malformed usage message (seq %s) dropped: %s", msg.metadata.sequence.stream, exc)
-                await msg.term()
+        """Write one fetched batch: dead-letter what can never be written, commit the rest, ack both."""
         if msgs:
             self.pending = msgs[-1].metadata.num_pending
+        by_seq, batch = await self._decode(msgs)
         if not batch:
             return
-        written = await self._until_database(lambda: write_usage(self.engine, batch, self.prices),  # type: ignore
-                                             "write usage", hold=msgs)
+        job: Isolation[Item] = Isolation(batch)
+        while not job.done:
+            await self._until_database(lambda: job.step(self._write), "write usage", hold=list(by_seq.values()))
+        for (seq, _event), error in job.poisoned:
+            await self._dead_letter(by_seq.pop(seq), "rejected", error)
+        for msg in by_seq.values():
+            try:
+                await msg.ack()
+            except Exception as exc:  # NATS away: redelivered after ack_wait_s, a duplicate then
+                log.warning("cannot ack usage message (seq %d): %s", msg.metadata.sequence.stream, exc)
+        self._account(job.written, [item for item in batch if item[0] in by_seq])
+
+    async def _decode(self, msgs: list[Msg]) -> tuple[dict[int, Msg], list[Item]]:
+        """The batch's usage events by stream sequence; the undecodable and the invalid are dead-lettered."""
+        by_seq: dict[int, Msg] = {}
+        batch: list[Item] = []
         for msg in msgs:
-            await msg.ack()
+            seq = msg.metadata.sequence.stream
+            try:
+                event = schema.decode(msg.data, UsageEvent)
+            except msgspec.ValidationError as exc:  # decodes, but a value is outside its type or bounds
+                await self._dead_letter(msg, "invalid", exc)
+                continue
+            except Exception as exc:
+                await self._dead_letter(msg, "undecodable", exc)
+                continue
+            by_seq[seq] = msg
+            batch.append((seq, event))
+        return by_seq, batch
+
+    async def _write(self, part: list[Item]) -> Written:
+        assert self.engine is not None
+        return await write_usage(self.engine, part, self.prices)
+
+    async def _dead_letter(self, msg: Msg, reason: DeadLetterReason, error: BaseException) -> None:
+        if await self.dead_letters.put(msg, reason, error):
+            self.stats[dead_letter_key(reason)] += 1
+
+    def _account(self, written: Written, batch: list[Item]) -> None:
         self.stats["inserted"] += written.inserted
         self.stats["duplicates"] += written.duplicates
         now = time.time()

@@ -131,3 +131,26 @@ def test_invalid_namespace(namespace):
 def test_invalid_ids(build, bad_id):
     with pytest.raises(ValueError):
         build(Subjects("ns"), bad_id)
+
+
+def test_usage_and_dead_letters_round_trip():
+    from shared.schema import DeadLetter, UsageEvent
+
+    usage = UsageEvent("r1", 1, "alpha", "im-abc", "m", "failed", "worker_unavailable", 10, 2, 5, 1.5, 9.0, "w1",
+                       "w0", "ab" * 16, 1.7e9)
+    assert decode(encode(usage), UsageEvent) == usage
+    letter = DeadLetter(reason="rejected", error="DataError: value too long", stream_seq=7, subject="im.usage",
+                        data=encode(usage), headers={"Nats-Msg-Id": "r1:1"}, ts=1.7e9)
+    assert decode(encode(letter), DeadLetter) == letter
+
+
+def test_a_stream_error_code_outside_the_closed_set_does_not_decode():
+    bad = StreamError("w1", 3, 1.0, "r1", "exploded", "boom")  # type: ignore[arg-type]
+    with pytest.raises(msgspec.ValidationError):
+        decode(encode(bad), StreamMessage)
+
+
+def test_usage_subjects_and_streams():
+    subjects = Subjects("t1")
+    assert (subjects.usage, subjects.usage_stream) == ("t1.usage", "t1_usage")
+    assert (subjects.usage_dead_letters, subjects.usage_dead_letter_stream) == ("t1.usage_dlq", "t1_usage_dlq")

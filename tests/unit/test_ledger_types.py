@@ -1,0 +1,78 @@
+"""The ledger's usage columns and the UsageEvent wire type share one definition: what decodes fits the table.
+
+(The migrations are held to the models by tests/integration/test_ledger_db.py, on both databases.)
+"""
+
+from __future__ import annotations
+
+import re
+from typing import get_args
+
+import msgspec
+import pytest
+
+from services.metering.models import Usage
+from shared import schema
+from shared.schema import StreamErrorCode, UsageEvent, UsageFinishReason, UsageStatus
+
+COLUMNS = Usage.__table__.columns
+CLOSED = {"status": UsageStatus, "finish_reason": UsageFinishReason}
+
+
+def _checked_members(column: str) -> set[str]:
+    (check,) = [c for c in Usage.__table__.constraints if getattr(c, "name", "") == f"ck_usage_{column}"]
+    return set(re.findall(r"'([^']*)'", str(check.sqltext)))
+
+
+@pytest.mark.parametrize("column", CLOSED)
+def test_every_member_of_a_closed_set_fits_its_column_and_its_check(column):
+    members = get_args(CLOSED[column])
+    assert members and max(map(len, members)) <= COLUMNS[column].type.length
+    assert _checked_members(column) == set(members)
+
+
+def test_worker_unavailable_the_18_character_reason_is_a_billable_finish_reason():
+    assert "worker_unavailable" in get_args(UsageFinishReason)
+    assert len("worker_unavailable") == 18 <= COLUMNS["finish_reason"].type.length
+
+
+def test_every_stream_error_code_can_end_a_billed_attempt():
+    assert set(get_args(StreamErrorCode)) <= set(get_args(UsageFinishReason))
+    assert set(get_args(schema.FinishReason)) <= set(get_args(UsageFinishReason))
+
+
+def _bounds() -> dict[str, int]:
+    """The max_length of every bounded string field of UsageEvent, from msgspec's own view of the type."""
+    info = msgspec.inspect.type_info(UsageEvent)
+    return {f.name: f.type.max_length for f in info.fields
+            if isinstance(f.type, msgspec.inspect.StrType) and f.type.max_length is not None}
+
+
+def test_every_string_field_is_bounded_exactly_as_long_as_its_column():
+    bounds = _bounds()
+    strings = {name for name, column in COLUMNS.items() if getattr(column.type, "length", None)} - set(CLOSED)
+    assert set(bounds) == strings
+    for name, length in bounds.items():
+        assert COLUMNS[name].type.length == length, name
+
+
+def _event(**changes) -> UsageEvent:
+    base = UsageEvent("r1", 0, "alpha", "im-abc", "m", "failed", "worker_unavailable", 10, 0, 5, 1.0, 2.0, "w1",
+                      created_at=1.7e9)
+    return msgspec.structs.replace(base, **changes)
+
+
+@pytest.mark.parametrize("changes", [
+    {"finish_reason": "tool_calls"}, {"status": "done"}, {"request_id": "r" * 65}, {"team": "t" * 65},
+    {"worker_id": "w" * 129}, {"trace_id": "f" * 33}, {"completion_tokens": -1}, {"prompt_tokens": 2**31},
+    {"created_at": 1e300},
+], ids=lambda c: next(iter(c)))
+def test_a_value_the_ledger_cannot_hold_fails_validation(changes):
+    with pytest.raises(msgspec.ValidationError):
+        schema.decode(schema.encode(_event(**changes)), UsageEvent)
+
+
+def test_a_value_at_every_bound_decodes():
+    event = _event(request_id="r" * 64, team="t" * 64, key_prefix="k" * 32, model="m" * 256, worker_id="w" * 128,
+                   prefill_worker_id="p" * 128, trace_id="f" * 32, prompt_tokens=2**31 - 1)
+    assert schema.decode(schema.encode(event), UsageEvent) == event
