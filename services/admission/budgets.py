@@ -92,12 +92,13 @@ class Budgets:
         self.prices = sheet
 
     def on_spend(self, spend: TeamSpend, now: float) -> HoldChanges:
-        """A team's record: the holds it passes are cleared."""
+        """A team's record: the holds it passes are cleared (and any the settled floor now passes)."""
         team = self._team(spend.team)
         team.spend = spend
         if spend.through_seq > (self._floor_seen[-1][0] if self._floor_seen else self._floor):
             self._floor_seen.append((spend.through_seq, now))
-        return self._clear(team, self._ledgered_through(team))
+        own, floor = self._clear(team, self._ledgered_through(team)), self.settle(now)
+        return HoldChanges(gone=own.gone + floor.gone) if own.gone or floor.gone else NO_CHANGE
 
     def settle(self, now: float) -> HoldChanges:
         """Advance the ledger floor to what has been seen for FLOOR_SETTLE_S; clear the holds it passes."""

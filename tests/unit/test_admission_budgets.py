@@ -136,6 +136,13 @@ def test_the_ledger_floor_clears_a_hold_once_it_has_settled():
     assert budgets.release("l2", "m", 29, 100, 0, 50) == NO_CHANGE  # under the floor: the ledger has it
 
 
+def test_a_replica_that_never_ticks_keeps_only_the_floor_it_has_not_settled():
+    budgets = book()
+    for i in range(1, 1_001):  # a standby hears every record; only the leader calls settle
+        ledger(budgets, 0, i, NOW + i, team=f"team-{i % 7}")
+    assert len(budgets._floor_seen) <= FLOOR_SETTLE_S + 1
+
+
 def test_a_new_leader_restores_holds_and_drops_those_the_ledger_passed():
     budgets = book(budget_nano=500_000, through=10)
     budgets.admit("l1", "t", "m", 100, 50, NOW)
