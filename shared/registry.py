@@ -1,8 +1,9 @@
 """The workers registry: a JetStream KV bucket of WorkerInfo with a per-key TTL.
 
-Each worker re-puts its entry every ``heartbeat_s`` with a TTL of ``heartbeat_ttl_s``;
-if the process dies the server expires the key and writes a marker, so every
-watcher (router, edge) sees a PURGE within about the TTL. A clean stop deletes the key.
+Each worker re-puts its entry every ``heartbeat_s`` with a TTL of ``heartbeat_ttl_s``, from a
+thread of its own (``shared/liveness.py``: a busy event loop cannot starve it); if the process
+dies or hangs the server expires the key and writes a marker, so every watcher (router, edge) sees
+a PURGE within about the TTL. A clean stop deletes the key.
 
 nats-py's ``kv.put`` takes no TTL, so heartbeats publish to the key's subject
 with a ``Nats-TTL`` header; ``limit_marker_ttl`` makes expiry visible to watchers.
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from typing import Callable
 
@@ -22,6 +22,7 @@ from shared import schema
 from shared.bus import Bus
 from shared.kv_cas import ensure_bucket
 from shared.kv_watch import follow
+from shared.liveness import DEFAULT_MAX_STALL_S, LivenessThread, LoopWatch, tick_forever, worker_beacon
 from shared.schema import WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -32,44 +33,48 @@ async def workers_bucket(bus: Bus) -> KeyValue:
 
 
 class WorkerRegistration:
-    """Keeps one worker's registry entry alive while the worker runs."""
+    """Keeps one worker's registry entry alive while the worker runs, from a thread of its own.
 
-    def __init__(self, bus: Bus, info: Callable[[], WorkerInfo], heartbeat_s: float, ttl_s: float) -> None:
+    Heartbeats come from a ``LivenessThread`` (its own connection), so they go on while the worker's
+    event loop is busy; they stop when that loop has not run for ``max_stall_s`` (a hang) or the
+    process stops. ``stop`` deletes the key on the worker's own connection."""
+
+    def __init__(self, bus: Bus, info: Callable[[], WorkerInfo], heartbeat_s: float, ttl_s: float,
+                 max_stall_s: float = DEFAULT_MAX_STALL_S) -> None:
         self._bus = bus
         self._info = info
         self._heartbeat_s = heartbeat_s
-        self._ttl = f"{max(1, math.ceil(ttl_s))}s"
+        self._ttl_s = ttl_s
+        self.watch = LoopWatch(max_stall_s, time.monotonic())
+        self._ticker: asyncio.Task[None] | None = None
+        self._thread: LivenessThread | None = None
         self._kv: KeyValue | None = None
-        self._task: asyncio.Task[None] | None = None
         self.worker_id = info().worker_id
 
     async def start(self) -> None:
         self._kv = await workers_bucket(self._bus)
-        await self._beat()
-        self._task = asyncio.create_task(self._loop(), name="heartbeat")
-
-    async def _beat(self) -> None:
-        info = self._info()
-        subject = f"$KV.{self._bus.subjects.workers_bucket}.{info.worker_id}"
-        await self._bus.js.publish(subject, schema.encode(info), headers={"Nats-TTL": self._ttl})
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._heartbeat_s)
-            try:
-                await self._beat()
-            except Exception as exc:  # NATS briefly away: keep trying; the TTL decides
-                log.warning("heartbeat failed: %s", exc)
+        self._ticker = asyncio.create_task(tick_forever(self.watch), name="loop-ticks")
+        self._thread = LivenessThread(lambda: self._bus.connect_again(f"liveness-{self.worker_id}"),
+                                      worker_beacon(self._bus, self._info()),
+                                      self._heartbeat_s, self._ttl_s, self.watch)
+        await self._thread.start()
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        """Stop beating, then deregister: watchers see the worker leave at once."""
+        await self.halt()
         if self._kv is not None:
             try:
                 await self._kv.delete(self.worker_id)
             except Exception as exc:
                 log.warning("could not deregister %s: %s", self.worker_id, exc)
+
+    async def halt(self) -> None:
+        """Stop beating without deregistering (as a dead process would): the TTL removes the entry."""
+        if self._ticker:
+            self._ticker.cancel()
+            await asyncio.gather(self._ticker, return_exceptions=True)
+        if self._thread is not None:
+            await self._thread.stop()
 
 
 class WorkerDirectory:

@@ -101,6 +101,59 @@ async def test_killed_worker_lapses_within_ttl_and_traffic_moves(nats_url, names
         await mesh.stop()
 
 
+async def test_a_registry_lapse_of_a_live_worker_does_not_fail_its_streams(nats_url, namespace, tiny_model):
+    """NATS on a starved machine can miss a heartbeat: the key lapses while the worker serves. The edge asks
+    the worker's liveness thread before failing anything, so the stream runs to its end."""
+    from shared.registry import workers_bucket
+
+    mesh = LocalMesh(nats_url, namespace)
+    await mesh.start_router()
+    await mesh.start_edge()
+    procs = sim_worker_processes(nats_url, namespace, tiny_model, ("sim-live",), ttl_s=5, itl_ms=20)
+    try:
+        await eventually(lambda: len(mesh.edge.mesh.directory.live()) == 1 and mesh.edge.mesh.is_ready(), 30)
+        client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key=mesh.dev_key, max_retries=0)
+        stream = await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=100, stream=True,
+                                                      stream_options={"include_usage": True})
+        bucket = await workers_bucket(mesh.edge.mesh.bus)
+        await bucket.purge("sim-live")  # as an expired TTL does: watchers see the worker leave
+        await eventually(lambda: "sim-live" not in mesh.edge.mesh.directory.workers, 2)
+        chunks = [chunk async for chunk in stream]
+        assert chunks[-1].usage.completion_tokens == 100
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        await eventually(lambda: "sim-live" in mesh.edge.mesh.directory.workers, 3)  # the next beat is back
+    finally:
+        stop_processes(procs)
+        await mesh.stop()
+
+
+async def test_a_sigstopped_worker_is_dropped_within_its_ttl_and_its_stream_fails_fast(nats_url, namespace,
+                                                                                       tiny_model):
+    mesh = LocalMesh(nats_url, namespace)
+    await mesh.start_router()
+    await mesh.start_edge()
+    procs = sim_worker_processes(nats_url, namespace, tiny_model, ("sim-stop",), ttl_s=2, itl_ms=50)
+    try:
+        await eventually(lambda: len(mesh.edge.mesh.directory.live()) == 1 and mesh.edge.mesh.is_ready(), 30)
+        client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key=mesh.dev_key, max_retries=0)
+        stream = await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=200, stream=True)
+        await stream.__anext__()
+        procs["sim-stop"].send_signal(signal.SIGSTOP)  # alive to the kernel, silent to the mesh
+        stopped_at = time.monotonic()
+        lapse = await eventually(lambda: "sim-stop" not in mesh.router.directory.workers, 2 + 1.5, 0.02)
+        assert lapse <= 2 + 0.5, lapse
+        with pytest.raises(openai.APIError, match="left the mesh"):  # unanswered ping: the stream fails
+            async for _chunk in stream:
+                pass
+        assert time.monotonic() - stopped_at < 2 + 0.5 + mesh.edge.config.liveness_probe_timeout_s + 1
+        procs["sim-stop"].send_signal(signal.SIGCONT)
+        await eventually(lambda: "sim-stop" in mesh.router.directory.workers, 3)  # resumed: back in the mesh
+    finally:
+        procs["sim-stop"].send_signal(signal.SIGCONT)
+        stop_processes(procs)
+        await mesh.stop()
+
+
 async def test_killing_a_sessions_decoder_repins_the_next_turn_with_no_client_error(nats_url, namespace, tiny_model):
     mesh = LocalMesh(nats_url, namespace)
     router = await mesh.start_router()

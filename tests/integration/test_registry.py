@@ -51,7 +51,7 @@ async def test_a_silent_worker_lapses_within_its_ttl(buses):
     registration = WorkerRegistration(worker_bus, lambda: _info("w2", 2), heartbeat_s=0.5, ttl_s=2)
     await registration.start()
     await eventually(lambda: "w2" in directory.workers, 2)
-    registration._task.cancel()  # the process "dies": no more heartbeats, no deregistration
+    await registration.halt()  # the process "dies": no more heartbeats, no deregistration
     stopped_at = time.monotonic()
     await eventually(lambda: "w2" not in directory.workers, 2 + 1.5, 0.02)
     assert time.monotonic() - stopped_at <= 3.5
@@ -66,4 +66,76 @@ async def test_a_new_watcher_sees_existing_workers(buses):
     await directory.start()
     assert "w3" in directory.workers
     await registration.stop()
+    await directory.stop()
+
+
+class _LoopInThread:
+    """An event loop on a thread of its own, as a worker process's loop is: the test can block it."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coro, timeout: float = 10):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def block(self, seconds: float) -> None:
+        self.loop.call_soon_threadsafe(time.sleep, seconds)  # a grammar compile, an engine step
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+
+async def test_a_worker_whose_loop_is_blocked_for_10s_stays_registered_and_answers_pings(nats_url, namespace, buses):
+    from shared.liveness import ping
+
+    _, watcher_bus = buses
+    directory = WorkerDirectory(watcher_bus)
+    await directory.start()
+    removed: list[str] = []
+    directory.on_removed.append(removed.append)
+    worker = _LoopInThread()
+    worker_bus = await asyncio.to_thread(worker.run, Bus.connect(nats_url, namespace, "busy-worker"))
+    registration = WorkerRegistration(worker_bus, lambda: _info("w-busy", 2), heartbeat_s=0.5, ttl_s=2)
+    await asyncio.to_thread(worker.run, registration.start())
+    await eventually(lambda: "w-busy" in directory.workers, 2)
+    worker.block(10)
+    blocked_at = time.monotonic()
+    while time.monotonic() - blocked_at < 9.5:  # five TTLs: only beats from outside the loop keep it
+        assert "w-busy" in directory.workers and not removed
+        pong = await ping(watcher_bus, "w-busy", 1.0)
+        assert pong is not None and pong.worker_id == "w-busy"
+        await asyncio.sleep(0.5)
+    assert pong.loop_lag_s > 8  # the pong says how long the loop has not run
+    await asyncio.to_thread(worker.run, registration.stop(), 20)
+    await eventually(lambda: removed == ["w-busy"], 2)
+    await asyncio.to_thread(worker.run, worker_bus.close())
+    worker.close()
+    await directory.stop()
+
+
+async def test_a_worker_whose_loop_hangs_past_the_stall_limit_is_dropped_and_pings_go_unanswered(
+        nats_url, namespace, buses):
+    from shared.liveness import ping
+
+    _, watcher_bus = buses
+    directory = WorkerDirectory(watcher_bus)
+    await directory.start()
+    worker = _LoopInThread()
+    worker_bus = await asyncio.to_thread(worker.run, Bus.connect(nats_url, namespace, "hung-worker"))
+    registration = WorkerRegistration(worker_bus, lambda: _info("w-hung", 2), heartbeat_s=0.5, ttl_s=2,
+                                      max_stall_s=1.5)
+    await asyncio.to_thread(worker.run, registration.start())
+    await eventually(lambda: "w-hung" in directory.workers, 2)
+    worker.block(8)
+    await eventually(lambda: "w-hung" not in directory.workers, 1.5 + 2 + 2, 0.05)
+    assert await ping(watcher_bus, "w-hung", 0.5) is None
+    await eventually(lambda: "w-hung" in directory.workers, 8, 0.1)  # the loop runs again: back in the mesh
+    await asyncio.to_thread(worker.run, registration.stop(), 20)
+    await asyncio.to_thread(worker.run, worker_bus.close())
+    worker.close()
     await directory.stop()

@@ -61,6 +61,8 @@ class VllmEngineConfig:
     kv_buffer_device: str = "cpu"  # where NIXL reads and writes KV ("cpu" here; "cuda" on GPUs)
     nixl_threads: int = 0  # UCX worker threads of the NIXL agent (vLLM's default is 4)
     max_num_batched_tokens: int = 0  # tokens one step computes at most (the pool's prefill budget); 0: vLLM's
+    # the engine core processes' nice value (engines/priority.py: the control plane runs first); 0: as this one
+    engine_nice: int = 10
 
     def __post_init__(self) -> None:
         assert self.model_path, "the vllm engine needs --model-path (a local model folder)"
@@ -122,8 +124,10 @@ class VllmEngine(Engine):
         vllm_config = self._llm.vllm_config
         self._num_kv_blocks = int(vllm_config.cache_config.num_gpu_blocks or 0)
         self._block_size = int(vllm_config.cache_config.block_size)
+        self._renice()
         if c.kv_connector:
             await self._warm_up()
+            self._renice()  # threads the first transfer setup started
         return EngineSpec(
             model=c.model, tokenizer=c.model_path, block_size=self._block_size, num_kv_blocks=self._num_kv_blocks,
             max_model_len=int(vllm_config.model_config.max_model_len), kv_dtype=c.kv_cache_dtype,
@@ -131,6 +135,12 @@ class VllmEngine(Engine):
             kv_layout="LBHNC",  # vLLM's paged KV: one tensor per layer, blocks inside it
             kv_connector=c.kv_connector, kv_endpoint=self._nixl_endpoint,
         )
+
+    def _renice(self) -> None:
+        if self.config.engine_nice > 0:
+            from services.worker.engines.priority import renice_children
+
+            renice_children(self.config.engine_nice)
 
     async def _warm_up(self) -> None:
         """One local prefill before serving. vLLM CPU 0.32 kills its worker with SIGILL (in
