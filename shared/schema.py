@@ -175,6 +175,16 @@ class LeaseRecord(Struct, frozen=True):
     reserved_nano: int = 0  # worst-case cost held against the team's budget while the lease lives
 
 
+class BudgetHold(Struct, frozen=True):
+    """A cost the ledger may not have yet (key ``h-<lease>`` in the leases bucket): admission counts it against
+    the team's budget until ``TeamSpend.through_seq`` reaches ``until_seq``, so a new leader starts with it."""
+
+    hold_id: str  # the lease it came from
+    team: str
+    nano: int  # the request's actual cost (released with usage) or its worst case (lapsed)
+    until_seq: int  # the usage stream sequence the ledger must be complete through
+
+
 class Outcome(Struct, frozen=True):
     """How one attempt went on one worker, published by the edge for the breaker."""
 
