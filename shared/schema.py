@@ -312,7 +312,7 @@ class TeamSpend(Struct, frozen=True):
     through_seq: int  # every usage message up to this stream sequence is in spent_nano
 
 
-# undecodable: not msgpack of a UsageEvent's shape; invalid: a value outside its type or bounds (an unknown
+# undecodable: not msgpack; invalid: not a valid UsageEvent (a field missing or of another type, an unknown
 # finish reason, a string too long); rejected: the database refused it (a constraint, a data error)
 DeadLetterReason = Literal["undecodable", "invalid", "rejected"]
 

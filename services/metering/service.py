@@ -209,7 +209,7 @@ class MeteringService:
             seq = msg.metadata.sequence.stream
             try:
                 event = schema.decode(msg.data, UsageEvent)
-            except msgspec.ValidationError as exc:  # decodes, but a value is outside its type or bounds
+            except msgspec.ValidationError as exc:  # msgpack, but not a valid UsageEvent
                 await self._dead_letter(msg, "invalid", exc)
                 continue
             except Exception as exc:

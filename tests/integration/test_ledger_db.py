@@ -9,18 +9,20 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import get_args
 
 import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import inspect, insert, select, text
+from sqlalchemy import func, inspect, insert, select, text
 from sqlalchemy.exc import IntegrityError
 
 from services.metering import admin
 from services.metering.admin import AdminError
 from services.metering.db import alembic_config, create_engine, database_url, is_sqlite, migrate
-from services.metering.models import ApiKey, Base, Model
+from services.metering.models import ApiKey, Base, Model, Usage
+from shared.schema import UsageFinishReason, UsageStatus
 
 pytestmark = pytest.mark.integration
 
@@ -109,6 +111,27 @@ async def test_downgrade_to_base_and_upgrade_again(ledger_url):
     await migrate(ledger_url)
     assert await _tables(ledger_url) == LEDGER_TABLES | {"alembic_version"}
     assert await _schema_diff(ledger_url) == []
+
+
+def _usage_row(request_id: str, status: str, finish_reason: str) -> dict:
+    return dict(request_id=request_id, attempt=0, team="t", key_prefix="", model="m", prompt_tokens=1,
+                cached_tokens=0, completion_tokens=1, cost_nano=0, status=status, finish_reason=finish_reason,
+                ttft_ms=1.0, duration_ms=1.0, worker_id="w", prefill_worker_id="", trace_id="", stream_seq=1,
+                created_at=dt.datetime.now(UTC))
+
+
+async def test_the_migrated_usage_table_takes_every_member_of_the_closed_sets_and_nothing_else(engine):
+    """Migration 0002 writes the members out: a member added to the Literal without a revision fails here."""
+    statuses, reasons = get_args(UsageStatus), get_args(UsageFinishReason)
+    async with engine.begin() as conn:
+        await conn.execute(insert(Usage), [_usage_row(f"r-{status}-{reason}", status, reason)
+                                           for status in statuses for reason in reasons])
+    async with engine.connect() as conn:
+        assert (await conn.execute(select(func.count()).select_from(Usage))).scalar() == len(statuses) * len(reasons)
+    for status, reason in (("done", "stop"), ("failed", "tool_calls"), ("failed", "")):
+        with pytest.raises(IntegrityError):
+            async with engine.begin() as conn:
+                await conn.execute(insert(Usage).values(**_usage_row("bad", status, reason)))
 
 
 async def test_migrating_again_keeps_the_data(ledger_url, engine):
