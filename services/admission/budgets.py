@@ -40,6 +40,7 @@ Invariants:
 from __future__ import annotations
 
 import datetime as dt
+import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -57,9 +58,25 @@ class _Team:
     spend: TeamSpend | None = None
     reserved: dict[str, int] = field(default_factory=dict)  # lease id -> worst-case nano-USD
     holds: dict[str, BudgetHold] = field(default_factory=dict)  # hold id (its lease) -> the unledgered cost
+    by_seq: list[tuple[int, str]] = field(default_factory=list)  # heap of (until_seq, hold id); stale entries skipped
 
     def has_budget(self) -> bool:
         return self.spend is not None and self.spend.budget_nano >= 0
+
+    def add(self, hold: BudgetHold) -> None:
+        self.holds[hold.hold_id] = hold
+        heapq.heappush(self.by_seq, (hold.until_seq, hold.hold_id))
+
+    def clear(self, through: int) -> list[str]:
+        """Remove the holds the ledger is complete through: O(log n) per hold, whatever the team holds."""
+        gone = []
+        while self.by_seq and self.by_seq[0][0] <= through:
+            seq, hold_id = heapq.heappop(self.by_seq)
+            hold = self.holds.get(hold_id)
+            if hold is not None and hold.until_seq == seq:  # else cleared already or moved to a later seq
+                del self.holds[hold_id]
+                gone.append(hold_id)
+        return gone
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +166,7 @@ class Budgets:
         team = self._team(hold.team)
         if hold.until_seq <= self._ledgered_through(team):
             return HoldChanges(gone=(hold.hold_id,))
-        team.holds[hold.hold_id] = hold
+        team.add(hold)
         self._hold_team[hold.hold_id] = hold.team
         return NO_CHANGE
 
@@ -192,6 +209,7 @@ class Budgets:
         for team in self._teams.values():
             team.reserved.clear()
             team.holds.clear()
+            team.by_seq.clear()
         self._lease_team.clear()
         self._hold_team.clear()
 
@@ -209,7 +227,8 @@ class Budgets:
         team = self._teams[team_name]
         if nano <= 0 or not team.has_budget() or until_seq <= self._ledgered_through(team):
             return NO_CHANGE
-        hold = team.holds[hold_id] = BudgetHold(hold_id, team_name, nano, until_seq)
+        hold = BudgetHold(hold_id, team_name, nano, until_seq)
+        team.add(hold)
         self._hold_team[hold_id] = team_name
         return HoldChanges(put=(hold,))
 
@@ -224,8 +243,7 @@ class Budgets:
         return self._hold(team_name, lease_id, hold.nano, usage_seq)
 
     def _clear(self, team: _Team, through: int) -> HoldChanges:
-        gone = tuple(hold_id for hold_id, hold in team.holds.items() if hold.until_seq <= through)
+        gone = tuple(team.clear(through))
         for hold_id in gone:
-            del team.holds[hold_id]
             self._hold_team.pop(hold_id, None)
         return HoldChanges(gone=gone) if gone else NO_CHANGE
