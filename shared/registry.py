@@ -86,6 +86,9 @@ class WorkerDirectory:
         self._seen_at: dict[str, float] = {}
         self.on_added: list[Callable[[WorkerInfo], None]] = []
         self.on_removed: list[Callable[[str], None]] = []
+        # the same worker id back with a new ``started_at`` before its old entry lapsed (a supervisor restarted it
+        # within the TTL): the old incarnation is dead, whatever it was doing is lost
+        self.on_restarted: list[Callable[[str], None]] = []
         self._watcher = None
         self._task: asyncio.Task[None] | None = None
         self._synced = asyncio.Event()
@@ -133,12 +136,16 @@ class WorkerDirectory:
         except Exception:
             log.warning("bad registry entry for %s", key)
             return
-        is_new = info.worker_id not in self.workers
+        previous = self.workers.get(info.worker_id)
         self.workers[info.worker_id] = info
         self._seen_at[info.worker_id] = time.monotonic()
-        if is_new:
+        if previous is None:
             for callback in self.on_added:
                 callback(info)
+        elif previous.started_at != info.started_at:
+            log.info("worker %s restarted (a new incarnation registered before the old one lapsed)", info.worker_id)
+            for restarted in self.on_restarted:
+                restarted(info.worker_id)
 
     def _remove(self, worker_id: str) -> None:
         if self.workers.pop(worker_id, None) is not None:

@@ -45,6 +45,32 @@ class WorkerInfo(Struct, frozen=True):
     ts: float = 0.0
 
 
+class WorkerPing(Struct, frozen=True):
+    """Are you alive? Answered by the worker's liveness thread, not its (possibly busy) event loop."""
+
+
+class WorkerPong(Struct, frozen=True):
+    worker_id: str
+    loop_lag_s: float  # how long ago the worker's event loop last ran
+
+
+class EdgeInfo(Struct, frozen=True):
+    """An edge's entry in the ``<ns>_edges`` bucket (per-key TTL): workers abort the requests of an edge that left."""
+
+    edge_id: str
+    started_at: float
+    ts: float = 0.0
+
+
+class EdgePing(Struct, frozen=True):
+    """Are you alive? Answered by the edge's liveness thread (a worker asks before aborting the edge's requests)."""
+
+
+class EdgePong(Struct, frozen=True):
+    edge_id: str
+    loop_lag_s: float  # how long ago the edge's event loop last ran
+
+
 # ---------------------------------------------------------------- load
 class LoadRequest(Struct, frozen=True):
     pass
@@ -329,6 +355,47 @@ class DeadLetter(Struct, frozen=True, kw_only=True):
     headers: dict[str, str] = {}
     ts: float = 0.0  # when it was dead-lettered
 
+class BillingContext(Struct, frozen=True, kw_only=True):
+    """What the edge bills one attempt from (its ``UsageEvent`` less the counts), so that another edge can bill
+    it if this one dies mid-request. Travels encoded inside ``SignedBilling``: workers echo it, never read it."""
+
+    request_id: Annotated[str, Meta(max_length=MAX_REQUEST_ID)]  # the billed request (its attempt's stream id differs)
+    attempt: Count
+    team: Annotated[str, Meta(max_length=MAX_TEAM)]
+    key_prefix: Annotated[str, Meta(max_length=MAX_KEY_PREFIX)]
+    model: Annotated[str, Meta(max_length=MAX_MODEL)]
+    request_class: str  # interactive | batch
+    worker_id: Annotated[str, Meta(max_length=MAX_WORKER_ID)]  # the decode (or only) worker
+    prefill_worker_id: Annotated[str, Meta(max_length=MAX_WORKER_ID)] = ""
+    prefill_cached_tokens: Count | None = None  # a remote prefill's cache hits: the cached count billed
+    trace_id: Annotated[str, Meta(max_length=MAX_TRACE_ID)] = ""
+    created_at: Annotated[float, Meta(ge=0.0, le=MAX_UNIX_S)] = 0.0  # unix seconds: when the edge received it
+
+
+class SignedBilling(Struct, frozen=True):
+    """A ``BillingContext`` as the edge encoded it, with HMAC-SHA256(edge secret, generate request id NUL context):
+    an edge bills a worker's orphan report only if the signature holds, so a worker cannot bill anyone."""
+
+    context: bytes
+    signature: bytes
+
+
+class OrphanUsage(Struct, frozen=True, kw_only=True):
+    """A worker aborted a request whose edge died (``<ns>.orphans.<worker_id>``, JetStream ``<ns>_orphans``): what
+    the engine reported computing, and the billing context echoed, for a surviving edge to bill exactly once."""
+
+    worker_id: str
+    edge_id: str  # the dead edge (from the request's stream subject)
+    request_id: str  # the GenerateRequest's (the attempt's stream id, ``<id>-prefill`` for a remote prefill)
+    billing: SignedBilling | None  # None: the edge sent none (no edge secret): never billed
+    remote_decode: bool = False  # the prefill half of a disaggregated request
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    ttft_ms: float = 0.0  # from the worker receiving the request to its first token (0: none)
+    ts: float = 0.0  # unix seconds: when the engine ended the request
+
+
 # ---------------------------------------------------------------- generation
 class Structured(Struct, frozen=True):
     """Constrained decoding for one request (xgrammar), built by the edge from tools / response_format.
@@ -375,6 +442,7 @@ class GenerateRequest(Struct, frozen=True):
     kv_transfer: KvTransfer | None = None  # decode side of a disaggregated request
     remote_decode: bool = False  # prefill side: compute the KV and hold it for a decode worker to pull
     cache_salt: str | None = None  # the tenant's prefix-cache salt (vLLM's cache_salt)
+    billing: SignedBilling | None = None  # echoed in an OrphanUsage if this request's edge dies
 
 
 class AbortRequest(Struct, frozen=True):

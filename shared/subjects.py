@@ -11,7 +11,11 @@ tests - can share one NATS server without hearing each other.
     <ns>.kv.<id>                      publish        KvEventBatch
     <ns>.worker.<id>.kv_replay        request/reply  KvReplayRequest -> KvReplayReply
     <ns>.worker.<id>.kv_snapshot      request/reply  KvSnapshotRequest -> KvSnapshot
+    <ns>.worker.<id>.ping             request/reply  WorkerPing -> WorkerPong (the liveness thread answers)
     <ns>.stream.<edge_id>.<req_id>    publish        StreamMessage (TokenChunk | StreamEnd | StreamError)
+    <ns>.edge.<id>.ping               request/reply  EdgePing -> EdgePong (the edge's liveness thread answers)
+    KV bucket <ns>_edges              key <id>       EdgeInfo, per-key TTL (lapses if the edge's heartbeats stop)
+    <ns>.orphans.<worker_id>          JetStream <NS>_orphans  OrphanUsage: what a worker generated for a dead edge
     <ns>.router.decisions             publish        RouteDecisionEvent (replicas share pending load)
     <ns>.router.<id>.explain          request/reply  RouteRequest -> RouteReply, one replica, no side effects
     KV bucket <ns>_workers            key <id>       WorkerInfo, per-key TTL (lapses if heartbeats stop)
@@ -81,6 +85,9 @@ class Subjects:
     def worker_kv_snapshot(self, worker_id: str) -> str:
         return f"{self.namespace}.worker.{worker_id}.kv_snapshot"
 
+    def worker_ping(self, worker_id: str) -> str:
+        return f"{self.namespace}.worker.{worker_id}.ping"
+
     # --- broadcast streams
     def load(self, worker_id: str) -> str:
         return f"{self.namespace}.load.{worker_id}"
@@ -146,10 +153,36 @@ class Subjects:
     def stream(self, edge_id: str, request_id: str) -> str:
         return f"{self.stream_prefix(edge_id)}.{request_id}"
 
+    def edge_of_stream(self, subject: str) -> str | None:
+        """The edge id in a token stream subject ``<ns>.stream.<edge_id>.<request_id>``; None for any other."""
+        parts = subject.split(".")
+        if len(parts) != 4 or parts[0] != self.namespace or parts[1] != "stream" or not parts[2] or not parts[3]:
+            return None
+        return parts[2]
+
+    # --- per edge
+    def edge_ping(self, edge_id: str) -> str:
+        return f"{self.namespace}.edge.{_check_token(edge_id, 'edge id')}.ping"
+
+    def orphans(self, worker_id: str) -> str:
+        return f"{self.namespace}.orphans.{_check_token(worker_id, 'worker id')}"
+
+    @property
+    def orphans_all(self) -> str:
+        return f"{self.namespace}.orphans.*"
+
+    @property
+    def orphans_stream(self) -> str:
+        return f"{self.namespace}_orphans"
+
     # --- JetStream KV buckets (bucket names allow no dots)
     @property
     def workers_bucket(self) -> str:
         return f"{self.namespace}_workers"
+
+    @property
+    def edges_bucket(self) -> str:
+        return f"{self.namespace}_edges"
 
     @property
     def leases_bucket(self) -> str:

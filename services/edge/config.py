@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.config import BusConfig
 
@@ -19,13 +19,30 @@ class EdgeConfig(BusConfig):
     first_token_timeout_s: float = 300.0
     inter_token_timeout_s: float = 60.0
     abort_drain_timeout_s: float = 1.0
+    # a worker that left the registry with streams open is pinged first: no answer in this long -> they fail
+    liveness_probe_timeout_s: float = 2.0
+    # the edges bucket (shared/edges.py): workers abort the requests of an edge whose key lapsed and that does
+    # not answer a ping; another edge bills them from the workers' reports, signed with the edges' shared secret
+    edge_heartbeat_s: float = 1.0
+    edge_ttl_s: float = 5.0
+    edge_secret: str = field(default="", repr=False)  # INFERMESH_EDGE_SECRET: the same on every edge of a mesh
     route_block_size: int = 16  # block size of the prompt hashes sent to the router (the router's; 0: none)
-    session_from_user: bool = False
+    session_from_user: bool = False  # no X-Session-Id header: use the body's ``user`` field as the session id
     admission: bool = True  # no lease, no request (needs an admission service; tests may run without)
     tool_call_format: str = "hermes"  # how models write tool calls: hermes (Hermes/Qwen) or glm
     tool_call_formats: str = ""  # per-model overrides, "model=glm,other=hermes"
     tool_close_within: int = 128  # budget-aware closing: watch the last this many tokens (0: off); must exceed the closing length
-    admission_wait_s: float = 10.0  # how long a request may wait in admission's queue before a 429  # no X-Session-Id header: use the body's ``user`` field as the session id
+    admission_wait_s: float = 10.0  # how long a request may wait in admission's queue before a 429
+    # Hostile clients (README "Limits"): bodies, headers and their read deadlines; tool schema caps
+    max_body_bytes: int = 4 << 20  # a bigger body is 413 (Content-Length checked before reading, then while reading)
+    max_header_bytes: int = 64 << 10  # request line + headers; more is 431 and the connection closes
+    header_timeout_s: float = 10.0  # from the first byte (or the connection) to the end of the headers, else 408
+    body_timeout_s: float = 30.0  # to read the whole body once its headers are in, else 408
+    max_tools: int = 128  # as OpenAI
+    max_tools_bytes: int = 512 << 10  # the tools array as JSON
+    max_schema_depth: int = 32  # JSON nesting inside a tool's (or response_format's) schema
+    prep_processes: int = 1  # worker processes for CPU-heavy request preparation (0: all on the event loop)
+    inline_prep_bytes: int = 64 << 10  # bodies up to this size are prepared on the event loop (cheaper than a hop)
 
     def team_keys(self) -> dict[str, str]:
         keys = {}
@@ -53,4 +70,8 @@ class EdgeConfig(BusConfig):
         assert self.tool_close_within >= 0
         assert 0 < self.http_port < 65536 or self.http_port == 0, "http_port out of range"
         assert self.route_block_size >= 0, "route_block_size must be >= 0"
+        assert self.max_body_bytes > 0 and self.max_header_bytes > 0 and self.header_timeout_s > 0
+        assert self.body_timeout_s > 0 and self.max_tools > 0 and self.max_tools_bytes > 0
+        assert self.max_schema_depth > 0 and self.prep_processes >= 0 and self.inline_prep_bytes >= 0
         assert self.route_timeout_s > 0 and self.first_token_timeout_s > 0 and self.inter_token_timeout_s > 0
+        assert 0 < self.edge_heartbeat_s < self.edge_ttl_s, "edge_ttl_s must exceed edge_heartbeat_s"

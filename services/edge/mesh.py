@@ -3,6 +3,22 @@
 ``EdgeMesh.generate`` is the one place a request crosses the mesh; the HTTP layer
 (app.py) only formats what it yields. Text comes out of the same detokenizer and
 stop-string matcher whether the client streams or not.
+
+What a request is billed (``Tally``, published by api.py as one UsageEvent):
+
+| how it ended                              | status    | prompt / cached / completion tokens                    |
+|-------------------------------------------|-----------|--------------------------------------------------------|
+| finished (end message or stop string)     | finished  | the prompt / cached* / what the client was told         |
+| the client left, after tokens or before   | cancelled | the engine's counts from its abort end message (drained |
+| the first (once a worker had the request) |           | for abort_drain_timeout_s; none in time: what was seen  |
+|                                           |           | after tokens, nothing before the first)                 |
+| the worker failed after tokens            | failed    | the prompt / cached* / the tokens the client got        |
+| every attempt failed before its first token| (none)   | not billed                                              |
+| this edge died                            | cancelled | billed by another edge from the worker's orphan report  |
+
+*Remote prefill: the prompt is billed once, as computed by the prefill worker; cached tokens are the
+prefill worker's cache hits, and the KV the decode worker pulled is neither billed again nor counted
+as cached. A client that leaves during the remote prefill is billed its prompt from the prefill's end.
 """
 
 from __future__ import annotations
@@ -25,11 +41,14 @@ from services.edge.tokenizer import ModelTokenizer
 from shared.breakers import BreakerView
 from shared.bus import Bus, BusError, StreamReceiver, TokenStream
 from shared.prefix_hash import prompt_hashes
+from services.edge.orphans import OrphanBiller, sign
+from shared.edges import edge_registration
+from shared.liveness import Registration, ping
 from shared.registry import WorkerDirectory
 from shared.usage import UsagePublisher, ensure_usage_stream
 from shared.schema import (
-    AbortRequest, GenerateRequest, Outcome, RouteDecision, RouteReply, RouteRequest, SamplingParams,
-    StreamEnd, StreamError, TokenChunk, WorkerInfo,
+    AbortRequest, BillingContext, GenerateRequest, Outcome, RouteDecision, RouteReply, RouteRequest,
+    SamplingParams, SignedBilling, StreamEnd, StreamError, TokenChunk, WorkerInfo,
 )
 
 log = logging.getLogger("infermesh.edge")
@@ -59,9 +78,9 @@ class Tally:
     """What one request consumed, as the mesh learns it: the billed attempt's counts (the usage event).
 
     ``status`` becomes finished, failed (after tokens) or cancelled (the client left after tokens);
-    it stays "" when nothing is billable (every attempt failed before its first token). A cancelled
-    attempt's final counts come from the worker's end message after the abort: ``draining`` is
-    set while the edge waits for it."""
+    it stays "" when nothing is billable (every attempt failed before its first token, or the client
+    left before a worker reported computing anything). A cancelled attempt's final counts come from
+    the worker's end message after the abort: ``draining`` is set while the edge waits for it."""
 
     attempt: int = 0
     worker_id: str = ""
@@ -73,6 +92,7 @@ class Tally:
     finish_reason: str = ""
     status: str = ""
     draining: "asyncio.Future[None] | None" = None
+    billing: BillingContext | None = None  # who pays (attempt and workers filled in per attempt), signed for workers
 
 
 class StreamBroken(Exception):
@@ -109,6 +129,10 @@ class EdgeMesh:
         static = {config.dev_key: "default"} if config.dev_key else {}
         self.keys = KeyDirectory(bus, {**static, **config.team_keys()})
         self.usage = UsagePublisher(bus)
+        self.edge_id = edge_id
+        self._secret = config.edge_secret.encode()
+        self.orphans = OrphanBiller(bus, self._secret, self.usage) if self._secret else None
+        self.registration: Registration | None = None
         self._tokenizers: dict[str, ModelTokenizer] = {}
         self._loading: dict[str, asyncio.Task[ModelTokenizer]] = {}
         self._background: set[asyncio.Task[None]] = set()
@@ -116,6 +140,7 @@ class EdgeMesh:
     async def start(self) -> None:
         self.directory.on_added.append(self._on_worker_added)
         self.directory.on_removed.append(self._on_worker_removed)
+        pass  # TMP
         await self.receiver.start()
         await self.breakers.start()
         await ensure_usage_stream(self.bus)
@@ -125,14 +150,25 @@ class EdgeMesh:
         await self.directory.start()
         for info in self.directory.live():
             self._on_worker_added(info)
+        if self.orphans is not None:
+            await self.orphans.start()
+        else:
+            log.warning("no edge secret (INFERMESH_EDGE_SECRET): requests of this edge go unbilled if it dies")
+        self.registration = await edge_registration(self.bus, self.edge_id, self.config.edge_heartbeat_s,
+                                                    self.config.edge_ttl_s)
 
     async def stop(self) -> None:
+        """The edges key goes last: workers abort what this edge still had running once it is gone."""
+        if self.orphans is not None:
+            await self.orphans.stop()
         await self.receiver.stop()
         if self.admission is not None:
             await self.admission.stop()
         await self.breakers.stop()
         await self.keys.stop()
         await self.directory.stop()
+        if self.registration is not None:
+            await self.registration.stop()
 
     # ------------------------------------------------------------ models and tokenizers
     def model_info(self, model: str) -> WorkerInfo | None:
@@ -168,6 +204,23 @@ class EdgeMesh:
             log.error("%s", exc.message)
 
     def _on_worker_removed(self, worker_id: str) -> None:
+        if self.receiver.num_open(worker_id):
+            self._spawn(self._fail_streams_if_gone(worker_id))
+
+    def _on_worker_restarted(self, worker_id: str) -> None:
+        """A new incarnation answers pings under the old id: the streams of the old one fail at once."""
+        failed = self.receiver.fail_worker(worker_id, "worker_unavailable", f"worker {worker_id} restarted")
+        if failed:
+            log.warning("worker %s restarted with %d streams open", worker_id, failed)
+
+    async def _fail_streams_if_gone(self, worker_id: str) -> None:
+        """A registry lapse is not proof of death (NATS can be slow to take a heartbeat on a starved machine):
+        ask the worker's liveness thread first, and fail its streams only if it does not answer."""
+        pong = await ping(self.bus, worker_id, self.config.liveness_probe_timeout_s)
+        if pong is not None:
+            log.warning("worker %s lapsed from the registry but answers (its loop ran %.1fs ago): keeping its %d "
+                        "streams", worker_id, pong.loop_lag_s, self.receiver.num_open(worker_id))
+            return
         failed = self.receiver.fail_worker(worker_id, "worker_unavailable", f"worker {worker_id} left the mesh")
         if failed:
             log.warning("worker %s vanished with %d streams open", worker_id, failed)
@@ -243,16 +296,16 @@ class EdgeMesh:
             decision = await self.route(msgspec.structs.replace(
                 routing, exclude_worker_ids=[*routing.exclude_worker_ids, decision.worker_id]))
         worker_id = decision.worker_id
+        tally.attempt, tally.worker_id, tally.prefill_worker_id = attempt, worker_id, decision.prefill_worker_id
+        tally.prompt_tokens = len(prompt_token_ids)
         kv_transfer, prefill_cached = None, None
         if decision.prefill_worker_id:
             prefilled = await self._remote_prefill(decision.prefill_worker_id, request_id, model, prompt_token_ids,
-                                                   sampling, hints.cache_salt)
+                                                   sampling, hints.cache_salt, tally)
             if prefilled is not None and prefilled.kv_transfer is not None:
                 kv_transfer, prefill_cached = prefilled.kv_transfer, prefilled.num_cached_tokens
         stream = self.receiver.open(request_id, worker_id, self.config.first_token_timeout_s,
                                     self.config.inter_token_timeout_s)
-        tally.attempt, tally.worker_id, tally.prefill_worker_id = attempt, worker_id, decision.prefill_worker_id
-        tally.prompt_tokens = len(prompt_token_ids)
         finished = failed = False
         sent_at, ttft_ms = time.monotonic(), 0.0
         num_output = 0
@@ -260,7 +313,8 @@ class EdgeMesh:
             await self.bus.publish(
                 self.bus.subjects.worker_generate(worker_id),
                 GenerateRequest(request_id, model, prompt_token_ids, sampling, attempt=attempt,
-                                kv_transfer=kv_transfer, cache_salt=hints.cache_salt),
+                                kv_transfer=kv_transfer, cache_salt=hints.cache_salt,
+                                billing=self._signed(request_id, tally, prefill_cached)),
                 reply=self.receiver.subject(request_id),
             )
             detokenizer = IncrementalDetokenizer(tokenizer)
@@ -308,9 +362,10 @@ class EdgeMesh:
                         raise _WorkerFailedEarly(self._stream_error(message), worker_id)
                     self._raise_stream_error(message, num_output)
         finally:
-            if not finished and not failed and num_output:  # the client left mid-stream: bill what was generated
-                tally.status, tally.finish_reason = "cancelled", "abort"
-                tally.cached_tokens = prefill_cached or 0
+            if not finished and not failed:  # the client left: bill what the engine computed and generated
+                if num_output:  # billed even if the end message never comes
+                    tally.status, tally.finish_reason = "cancelled", "abort"
+                    tally.cached_tokens = prefill_cached or 0
                 tally.draining = asyncio.get_running_loop().create_future()
                 self._spawn(self._drain_cancelled(stream, tally, prefill_cached))
             else:
@@ -318,12 +373,30 @@ class EdgeMesh:
                     self._spawn(self._abort(worker_id, request_id))
                 self.receiver.close(request_id)
 
-    async def _drain_cancelled(self, stream: TokenStream, tally: Tally, prefill_cached: int | None) -> None:
-        """Abort a request its client left, and take its final counts from the worker's end message."""
+    def _signed(self, request_id: str, tally: Tally, prefill_cached: int | None) -> SignedBilling | None:
+        """The attempt's billing context, signed for generate request ``request_id`` (None without a secret)."""
+        if not self._secret or tally.billing is None:
+            return None
+        context = msgspec.structs.replace(tally.billing, attempt=tally.attempt, worker_id=tally.worker_id,
+                                          prefill_worker_id=tally.prefill_worker_id,
+                                          prefill_cached_tokens=prefill_cached)
+        return sign(self._secret, request_id, context)
+
+    async def _drain_cancelled(self, stream: TokenStream, tally: Tally, prefill_cached: int | None,
+                               is_prefill: bool = False) -> None:
+        """Abort a request its client left, and take its final counts from the worker's end message.
+
+        Before the first token (``tally.status`` still ""), the end message decides: the prompt tokens
+        the engine reports are billed, cancelled; no end message in time, nothing is. A remote prefill's
+        one token was never the client's: it bills no completion tokens."""
         try:
             end = await self._abort_and_drain(stream)
             if end is not None:
-                tally.completion_tokens = max(tally.completion_tokens, end.num_output_tokens)
+                if not tally.status:
+                    tally.status, tally.finish_reason = "cancelled", "abort"
+                    tally.prompt_tokens = end.num_prompt_tokens
+                if not is_prefill:
+                    tally.completion_tokens = max(tally.completion_tokens, end.num_output_tokens)
                 tally.cached_tokens = _cached(prefill_cached, end.num_cached_tokens)
         finally:
             self.receiver.close(stream.request_id)
@@ -331,8 +404,10 @@ class EdgeMesh:
             tally.draining.set_result(None)
 
     async def _remote_prefill(self, worker_id: str, request_id: str, model: str, prompt_token_ids: list[int],
-                              sampling: SamplingParams, cache_salt: str | None) -> StreamEnd | None:
-        """Have a prefill worker compute the prompt's KV: its end message (with the KV handle), None on failure."""
+                              sampling: SamplingParams, cache_salt: str | None, tally: Tally) -> StreamEnd | None:
+        """Have a prefill worker compute the prompt's KV: its end message (with the KV handle), None on failure.
+
+        A client that leaves meanwhile is billed the prompt the prefill worker reports computing."""
         prefill_id = f"{request_id}-prefill"  # no dots: the id ends a subject
         stream = self.receiver.open(prefill_id, worker_id, self.config.first_token_timeout_s,
                                     self.config.inter_token_timeout_s)
@@ -341,7 +416,8 @@ class EdgeMesh:
             await self.bus.publish(
                 self.bus.subjects.worker_generate(worker_id),
                 GenerateRequest(prefill_id, model, prompt_token_ids, msgspec.structs.replace(sampling, max_tokens=1),
-                                cache_salt=cache_salt, remote_decode=True),
+                                cache_salt=cache_salt, remote_decode=True,
+                                billing=self._signed(prefill_id, tally, None)),
                 reply=self.receiver.subject(prefill_id),
             )
             while True:
@@ -362,9 +438,11 @@ class EdgeMesh:
                                 worker_id, message.code, message.message)
                     return None
         finally:
-            if not done:
-                self._spawn(self._abort(worker_id, prefill_id))
-            self.receiver.close(prefill_id)
+            if not done:  # the client left (or the publish failed): drain the abort, bill what was computed
+                tally.draining = asyncio.get_running_loop().create_future()
+                self._spawn(self._drain_cancelled(stream, tally, None, is_prefill=True))
+            else:
+                self.receiver.close(prefill_id)
 
     def _raise_stream_error(self, error: StreamError, num_output: int) -> None:
         log.warning("request %s failed on %s: %s %s", error.request_id, error.source_id, error.code, error.message)

@@ -18,6 +18,12 @@ class WorkerConfig(BusConfig):
     model_path: str = ""  # weights folder (vllm) / tokenizer folder (sim)
     heartbeat_s: float = 1.0
     heartbeat_ttl_s: float = 3.0
+    # the event loop blocked this long means hung, not busy: heartbeats stop (shared/liveness.py)
+    max_loop_stall_s: float = 60.0
+    # orphans (services/worker/orphans.py): a request's edge that left the edges bucket, or was never in it this
+    # long after its request came, is pinged; no answer within edge_probe_timeout_s -> its requests are aborted
+    unseen_edge_grace_s: float = 10.0
+    edge_probe_timeout_s: float = 2.0
     load_publish_s: float = 0.5
     load_min_interval_s: float = 0.005  # load changes closer than this are published together
     # engine options
@@ -41,11 +47,14 @@ class WorkerConfig(BusConfig):
     cpu_core: int = -1  # pin the vLLM engine's threads to this core (-1: leave as is)
     kv_connector: str = ""  # vllm: "nixl" to hand KV to / take KV from other workers (prefill/decode roles)
     nixl_port: int = 0  # vllm: the NIXL side channel's port (0: a free one)
+    engine_nice: int = 10  # vllm: nice value of the engine core processes (the control plane runs first)
 
     def __post_init__(self) -> None:
         assert self.role in ("both", "prefill", "decode"), f"role must be both|prefill|decode, not {self.role!r}"
         assert self.engine in ("sim", "vllm"), f"engine must be sim|vllm, not {self.engine!r}"
         assert self.heartbeat_ttl_s > self.heartbeat_s > 0, "heartbeat_ttl_s must exceed heartbeat_s"
+        assert self.max_loop_stall_s > 0, "max_loop_stall_s must be positive"
+        assert self.unseen_edge_grace_s > 0 and self.edge_probe_timeout_s > 0
         assert self.num_engines >= 1 and (self.num_engines == 1 or self.engine == "sim"), \
             "num_engines > 1 is for the sim engine only"
         assert self.kv_connector in ("", "nixl"), f"kv_connector must be nixl or empty, not {self.kv_connector!r}"
@@ -71,5 +80,5 @@ class WorkerConfig(BusConfig):
             max_model_len=self.max_model_len, kv_cache_gib=self.kv_cache_gib,
             kv_cache_dtype=self.kv_cache_dtype, cpu_core=self.cpu_core, worker_id=self.worker_id,
             kv_connector=self.kv_connector, nixl_port=self.nixl_port,
-            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_batched_tokens=self.max_num_batched_tokens, engine_nice=self.engine_nice,
         )

@@ -3,6 +3,8 @@
     edge --GenerateRequest(reply=stream subject)--> <ns>.worker.<id>.generate
     worker --TokenChunk* then StreamEnd|StreamError--> stream subject
     edge --AbortRequest--> <ns>.worker.<id>.abort
+
+A request whose edge dies is aborted and reported on the orphans stream (``orphans.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from opentelemetry.trace import Status, StatusCode
 from services.worker.config import WorkerConfig
 from services.worker.engines import Engine, EngineRequestError, EngineSpec, create_engine
 from services.worker.engines.base import PromptTokens
+from services.worker.orphans import OrphanReaper
 from shared import schema
 from shared.bus import Bus, TokenStreamSender
 from shared.registry import WorkerRegistration
@@ -44,6 +47,8 @@ class WorkerService:
         self._background: list[asyncio.Task[None]] = []
         self._subs: list[object] = []
         self._registration: WorkerRegistration | None = None
+        self.orphans = OrphanReaper(bus, self.worker_id, self.engine.abort, config.unseen_edge_grace_s,
+                                    config.edge_probe_timeout_s)
         self._load_seq = 0
         self.kv_log = KvEventLog(self.worker_id)
         self._started_at = time.time()
@@ -55,6 +60,7 @@ class WorkerService:
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         self.spec = await self.engine.start()
+        await self.orphans.start()  # before the first request: each is tracked from its arrival
         s = self.bus.subjects
         self._subs = [
             await self.bus.subscribe(s.worker_generate(self.worker_id), GenerateRequest, self._on_generate),
@@ -63,7 +69,8 @@ class WorkerService:
             await self.bus.subscribe(s.worker_kv_replay(self.worker_id), KvReplayRequest, self._on_kv_replay),
             await self.bus.subscribe(s.worker_kv_snapshot(self.worker_id), KvSnapshotRequest, self._on_kv_snapshot),
         ]
-        self._registration = WorkerRegistration(self.bus, self._info, self.config.heartbeat_s, self.config.heartbeat_ttl_s)
+        self._registration = WorkerRegistration(self.bus, self._info, self.config.heartbeat_s, self.config.heartbeat_ttl_s,
+                                                self.config.max_loop_stall_s)
         await self._registration.start()
         self._background = [
             asyncio.create_task(self._publish_load_loop(), name="load"),
@@ -76,6 +83,7 @@ class WorkerService:
             await sub.unsubscribe()  # type: ignore[attr-defined]
         if self._registration:
             await self._registration.stop()
+        await self.orphans.stop()
         for task in list(self._tasks.values()):
             task.cancel()
         for task in self._background:
@@ -103,26 +111,38 @@ class WorkerService:
         stream = TokenStreamSender(self.bus, raw.reply, self.worker_id, request.request_id)
         task = asyncio.create_task(self._run(request, stream), name=f"gen-{request.request_id}")
         self._tasks[request.request_id] = task
-        task.add_done_callback(lambda _t, rid=request.request_id: self._tasks.pop(rid, None))
+        self.orphans.track(request.request_id, raw.reply)
+        task.add_done_callback(lambda _t, rid=request.request_id: self._forget(rid))
         self._load_changed.set()
+
+    def _forget(self, request_id: str) -> None:
+        self._tasks.pop(request_id, None)
+        self.orphans.untrack(request_id)
 
     async def _run(self, request: GenerateRequest, stream: TokenStreamSender) -> None:
         with _tracer.start_as_current_span("worker.generate") as span:
             span.set_attributes({"infermesh.worker_id": self.worker_id, "infermesh.request_id": request.request_id,
                                  "infermesh.num_prompt_tokens": len(request.prompt_token_ids)})
-            num_output = 0
+            num_output, received_at, ttft_ms = 0, time.monotonic(), 0.0
             try:
                 async for out in self.engine.generate(request.request_id, request.prompt_token_ids, request.sampling,
                                                       request.kv_transfer, request.cache_salt,
                                                       remote_decode=request.remote_decode):
+                    if out.token_ids and not num_output:
+                        ttft_ms = 1000 * (time.monotonic() - received_at)
                     num_output += len(out.token_ids)
                     if out.token_ids:
                         await stream.tokens(out.token_ids)
                         await asyncio.sleep(0)  # a fast stream must not starve aborts and load requests
                     if out.finish_reason is None:
+                        if request.request_id in self.orphans.orphaned:  # aborted before the engine had it
+                            await self.engine.abort(request.request_id)
                         continue
-                    await stream.end(out.finish_reason, out.num_prompt_tokens or len(request.prompt_token_ids),
-                                     out.num_cached_tokens, num_output, out.kv_transfer)
+                    num_prompt = out.num_prompt_tokens or len(request.prompt_token_ids)
+                    await stream.end(out.finish_reason, num_prompt, out.num_cached_tokens, num_output,
+                                     out.kv_transfer)
+                    if request.request_id in self.orphans.orphaned:
+                        await self.orphans.report(request, num_prompt, out.num_cached_tokens, num_output, ttft_ms)
                     span.set_attributes({"infermesh.finish_reason": out.finish_reason,
                                          "infermesh.num_cached_tokens": out.num_cached_tokens,
                                          "infermesh.num_output_tokens": num_output})

@@ -1,0 +1,98 @@
+"""The edges registry: a JetStream KV bucket of EdgeInfo with a per-key TTL, as the workers registry is.
+
+    registration = edge_registration(bus, edge_id, heartbeat_s=1, ttl_s=5)   # the edge
+    directory = EdgeDirectory(bus); directory.on_removed.append(cb)          # a worker
+
+Each edge re-puts ``EdgeInfo`` every ``heartbeat_s`` from its liveness thread (``shared/liveness.py``) and
+answers ``<ns>.edge.<id>.ping`` there; if the edge dies or hangs the server expires its key and every
+watcher sees it leave within about the TTL. A clean stop deletes the key. Workers follow the bucket to
+find requests whose edge is gone (``services/worker/orphans.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+import msgspec
+from nats.js.kv import KeyValue
+
+from shared import schema
+from shared.bus import Bus
+from shared.kv_cas import ensure_bucket
+from shared.kv_watch import follow
+from shared.liveness import DEFAULT_MAX_STALL_S, Beacon, Registration
+from shared.schema import EdgeInfo, EdgePong
+
+log = logging.getLogger(__name__)
+
+
+async def edges_bucket(bus: Bus) -> KeyValue:
+    return await ensure_bucket(bus, bus.subjects.edges_bucket)
+
+
+def edge_beacon(bus: Bus, edge_id: str, started_at: float) -> Beacon:
+    info = EdgeInfo(edge_id, started_at)
+    return Beacon(edge_id, bus.subjects.edges_bucket, edge_id, lambda: msgspec.structs.replace(info, ts=time.time()),
+                  bus.subjects.edge_ping(edge_id), lambda lag: EdgePong(edge_id, lag))
+
+
+async def edge_registration(bus: Bus, edge_id: str, heartbeat_s: float, ttl_s: float,
+                            max_stall_s: float = DEFAULT_MAX_STALL_S) -> Registration:
+    """A started registration of this edge: its key is in the bucket when this returns."""
+    await edges_bucket(bus)
+    registration = Registration(bus, edge_beacon(bus, edge_id, time.time()), heartbeat_s, ttl_s, max_stall_s)
+    await registration.start()
+    return registration
+
+
+class EdgeDirectory:
+    """A live view of the edges bucket: the ids of the edges in it, with callbacks on arrival and departure."""
+
+    def __init__(self, bus: Bus) -> None:
+        self._bus = bus
+        self.edges: dict[str, EdgeInfo] = {}
+        self.on_added: list[Callable[[str], None]] = []
+        self.on_removed: list[Callable[[str], None]] = []
+        self._watcher = None
+        self._task: asyncio.Task[None] | None = None
+        self._synced = asyncio.Event()
+        self._stopping = False
+
+    async def start(self) -> None:
+        kv = await edges_bucket(self._bus)
+        self._watcher = await kv.watchall()
+        self._task = asyncio.create_task(follow(self._watcher, "edges", self._on_put, self._on_delete,
+                                                self._synced.set, lambda: self._stopping), name="edges-watch")
+        await asyncio.wait_for(self._synced.wait(), 5)
+
+    async def stop(self) -> None:
+        self._stopping = True  # stop the watcher first: see WorkerDirectory.stop
+        if self._watcher is not None:
+            try:
+                await self._watcher.stop()
+            except Exception:
+                pass
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait([self._task], timeout=2)
+
+    def _on_put(self, key: str, value: bytes, _revision: int) -> None:
+        try:
+            info = schema.decode(value, EdgeInfo)
+        except Exception:
+            log.warning("bad edges entry for %s", key)
+            return
+        is_new = info.edge_id not in self.edges
+        self.edges[info.edge_id] = info
+        if is_new:
+            for callback in self.on_added:
+                callback(info.edge_id)
+
+    def _on_delete(self, edge_id: str) -> None:
+        if self.edges.pop(edge_id, None) is not None:
+            log.info("edge %s left the edges bucket", edge_id)
+            for callback in self.on_removed:
+                callback(edge_id)

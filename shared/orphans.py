@@ -1,0 +1,78 @@
+"""The orphans stream: what workers generated for requests whose edge died, until a surviving edge bills it.
+
+    await ensure_orphans_stream(bus)                 # workers and edges both make sure it exists
+    await OrphanPublisher(bus, worker_id).publish(report)    # a worker, after aborting an orphan
+    consumer: every edge pulls from one shared durable consumer (ORPHANS_DURABLE), services/edge/orphans.py
+
+| step                                   | guarantees                                                       |
+|----------------------------------------|------------------------------------------------------------------|
+| worker publishes OrphanUsage           | ``Nats-Msg-Id: orphan:<request_id>``: a re-publish adds nothing  |
+| no edge is up                          | reports wait in the stream (``RETENTION_S``)                     |
+| an edge verifies, publishes usage, acks| usage dedupe id ``<request_id>:<attempt>``, as the dead edge's:  |
+|                                        | a duplicate report, or usage the edge did publish, bills once    |
+| the edge dies before its ack           | redelivered to another edge after ``ACK_WAIT_S``                 |
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError
+
+from shared import schema
+from shared.bus import Bus
+from shared.schema import OrphanUsage
+
+log = logging.getLogger("infermesh.orphans")
+RETENTION_S = 7 * 24 * 3600.0  # as the usage stream: no edge may be up for this long without losing a report
+DUPLICATE_WINDOW_S = 300.0
+ORPHANS_DURABLE = "edges"  # the one consumer every edge pulls from (each report goes to one edge)
+ACK_WAIT_S = 30.0
+
+
+async def ensure_orphans_stream(bus: Bus) -> None:
+    config = StreamConfig(name=bus.subjects.orphans_stream, subjects=[bus.subjects.orphans_all],
+                          retention=RetentionPolicy.LIMITS, storage=StorageType.FILE, max_age=RETENTION_S,
+                          duplicate_window=DUPLICATE_WINDOW_S)
+    try:
+        await bus.js.add_stream(config)
+    except BadRequestError:  # it exists with another config (an operator changed it): keep theirs
+        log.info("stream %s exists with its own config", config.name)
+
+
+def orphan_msg_id(report: OrphanUsage) -> str:
+    return f"orphan:{report.request_id}"
+
+
+class OrphanPublisher:
+    """A worker's side: publish a report until JetStream has it (retried while NATS is away)."""
+
+    def __init__(self, bus: Bus, worker_id: str, give_up_s: float = 120.0) -> None:
+        self.bus = bus
+        self.subject = bus.subjects.orphans(worker_id)
+        self.give_up_s = give_up_s
+        self.published = 0
+        self.lost = 0
+
+    async def publish(self, report: OrphanUsage) -> bool:
+        data, headers = schema.encode(report), {"Nats-Msg-Id": orphan_msg_id(report)}
+        deadline, delay = time.monotonic() + self.give_up_s, 0.05
+        while True:
+            try:
+                await self.bus.js.publish(self.subject, data, headers=headers, timeout=2.0)
+                self.published += 1
+                return True
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if time.monotonic() + delay > deadline:
+                    self.lost += 1
+                    log.error("orphan report %s lost after %.0f s of retries (%s)", orphan_msg_id(report),
+                              self.give_up_s, exc)
+                    return False
+                log.warning("orphan report %s failed (%s): retrying", orphan_msg_id(report), exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)

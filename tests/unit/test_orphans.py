@@ -1,0 +1,96 @@
+"""OrphanTracker on a fake clock: which edges a worker pings when, and which requests it aborts; the stream
+subject parser that names a request's edge."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.worker.orphans import OrphanTracker
+from shared.subjects import Subjects
+
+GRACE = 10.0
+
+
+def tracker_with(*requests: tuple[str, str], live: tuple[str, ...] = ()) -> OrphanTracker:
+    tracker = OrphanTracker(GRACE)
+    for edge_id in live:
+        tracker.edge_live(edge_id)
+    for request_id, edge_id in requests:
+        tracker.track(request_id, edge_id, now=0.0)
+    return tracker
+
+
+def test_an_edge_in_the_bucket_is_never_pinged():
+    tracker = tracker_with(("r1", "e1"), live=("e1",))
+    assert tracker.due(1000.0) == []
+
+
+def test_an_edge_that_leaves_the_bucket_is_pinged_at_once_and_its_requests_aborted_if_silent():
+    tracker = tracker_with(("r1", "e1"), ("r2", "e1"), ("r3", "e2"), live=("e1", "e2"))
+    tracker.edge_left("e1", now=5.0)
+    assert tracker.due(5.0) == ["e1"]
+    assert tracker.due(5.0) == []  # one ping in flight at a time
+    assert tracker.silent("e1") == ["r1", "r2"]
+    assert tracker.due(100.0) == [] and tracker.silent("e1") == []  # each request is handed out once
+
+
+def test_an_edge_that_answers_is_pinged_again_a_grace_later_while_out_of_the_bucket():
+    tracker = tracker_with(("r1", "e1"), live=("e1",))
+    tracker.edge_left("e1", now=0.0)
+    assert tracker.due(0.0) == ["e1"]
+    tracker.answered("e1", now=1.0)
+    assert tracker.due(1.0 + GRACE - 0.1) == []
+    assert tracker.due(1.0 + GRACE) == ["e1"]
+
+
+def test_an_edge_back_in_the_bucket_before_the_ping_fails_keeps_its_requests():
+    tracker = tracker_with(("r1", "e1"), live=("e1",))
+    tracker.edge_left("e1", now=0.0)
+    assert tracker.due(0.0) == ["e1"]
+    tracker.edge_live("e1")
+    assert tracker.silent("e1") == []
+
+
+@pytest.mark.parametrize("now, due", [(GRACE - 0.1, []), (GRACE, ["ghost"])])
+def test_a_never_seen_edge_is_pinged_a_grace_after_its_first_request(now, due):
+    tracker = tracker_with(("r1", "ghost"))
+    assert tracker.due(now) == due
+
+
+def test_an_edge_whose_requests_all_ended_is_forgotten():
+    tracker = tracker_with(("r1", "e1"), live=("e1",))
+    tracker.edge_left("e1", now=0.0)
+    tracker.untrack("r1")
+    assert tracker.due(0.0) == [] and tracker.edge_of("r1") is None
+
+
+def test_a_new_request_of_an_abandoned_edge_is_not_pinged_for_again():
+    tracker = tracker_with(("r1", "e1"), live=("e1",))
+    tracker.edge_left("e1", now=0.0)
+    tracker.due(0.0)
+    assert tracker.silent("e1") == ["r1"]
+    tracker.track("r2", "e1", now=1.0)
+    assert tracker.due(1.0 + GRACE) == []
+    tracker.untrack("r1")
+    tracker.untrack("r2")
+    tracker.track("r3", "e1", now=50.0)  # all its requests ended: a fresh start
+    assert tracker.due(50.0 + GRACE) == ["e1"]
+
+
+@pytest.mark.parametrize("subject, edge", [
+    ("ns.stream.e1.r1", "e1"),
+    ("ns.stream.e1.r1-prefill", "e1"),
+    ("other.stream.e1.r1", None),  # another namespace
+    ("ns.stream.e1", None),
+    ("ns.stream..r1", None),
+    ("ns.worker.e1.r1", None),
+    ("_INBOX.abc.def", None),
+    ("", None),
+])
+def test_the_edge_of_a_stream_subject(subject, edge):
+    assert Subjects("ns").edge_of_stream(subject) == edge
+
+
+def test_the_parser_inverts_the_stream_subject():
+    s = Subjects("ns")
+    assert s.edge_of_stream(s.stream("e7", "abc")) == "e7"
