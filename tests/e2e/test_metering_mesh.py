@@ -1,10 +1,17 @@
 """Metering through the whole mesh: what clients were told is exactly what the ledger holds, budgets stop a
-team within one request, keys and revocations reach the edge within 2 s, and a Postgres outage loses nothing."""
+team within one request, keys and revocations reach the edge within 2 s, a worker killed mid-stream is billed
+for what its streams sent (issue 14: that once halted billing on Postgres), and a Postgres outage loses nothing.
+Every test runs on both ledgers (the ``ledger_url`` fixture), except the outage, which cuts a TCP proxy in
+front of Postgres (a SQLite file cannot go away like that)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -16,7 +23,7 @@ from infermesh.local import LocalMesh
 from services.metering import admin
 from services.metering.db import create_engine
 from services.metering.models import Usage
-from shared.schema import ModelPrice
+from shared.schema import LoadRequest, LoadSnapshot, ModelPrice
 from tests.pg_proxy import TcpProxy
 from tests.utils import eventually
 
@@ -149,7 +156,6 @@ async def test_client_usage_equals_the_ledger(nats_url, namespace, tiny_model, l
         await mesh.stop()
 
 
-@pytest.mark.parametrize("ledger_url", ["postgres"], indirect=True)
 async def test_budget_stops_a_team_within_one_request(nats_url, namespace, tiny_model, ledger_url):
     # worst case of one request: <= 40 prompt tokens at $1/1M + 12 output at $4/1M = $0.000088
     key = await team_key(ledger_url, "beta", budget_usd="0.0005")
@@ -182,7 +188,6 @@ async def test_budget_stops_a_team_within_one_request(nats_url, namespace, tiny_
         await mesh.stop()
 
 
-@pytest.mark.parametrize("ledger_url", ["postgres"], indirect=True)  # the CLI's writes never wait on a file lock
 async def test_new_keys_work_and_revoked_keys_stop_within_2s(nats_url, namespace, tiny_model, ledger_url):
     mesh = await start_mesh(nats_url, namespace, tiny_model, ledger_url)
     engine = create_engine(ledger_url)
@@ -254,7 +259,6 @@ async def test_a_60s_postgres_outage_under_load_loses_nothing(nats_url, namespac
         await proxy.stop()
 
 
-@pytest.mark.parametrize("ledger_url", ["sqlite"], indirect=True)
 async def test_failed_after_tokens_is_billed_and_failed_before_any_token_is_not(nats_url, namespace, tiny_model,
                                                                                  ledger_url):
     key = await team_key(ledger_url, "epsilon")
@@ -289,7 +293,6 @@ async def test_failed_after_tokens_is_billed_and_failed_before_any_token_is_not(
         await mesh.stop()
 
 
-@pytest.mark.parametrize("ledger_url", ["sqlite"], indirect=True)
 async def test_every_usage_row_carries_its_requests_trace_id(nats_url, namespace, tiny_model, ledger_url,
                                                               span_exporter):
     key = await team_key(ledger_url, "zeta")
@@ -306,3 +309,66 @@ async def test_every_usage_row_carries_its_requests_trace_id(nats_url, namespace
             assert rows[request_id].trace_id == format(edge_spans[request_id].context.trace_id, "032x")
     finally:
         await mesh.stop()
+
+
+def sim_worker_process(nats_url: str, namespace: str, tiny_model, worker_id: str) -> subprocess.Popen:
+    """A sim worker as a process of its own, so the test can SIGKILL it (heartbeat 0.5 s, TTL 2 s)."""
+    env = {**os.environ, "INFERMESH_NATS_URL": nats_url, "INFERMESH_NAMESPACE": namespace}
+    return subprocess.Popen([sys.executable, "-m", "services.worker", "--worker-id", worker_id, "--engine", "sim",
+                             "--model", "tiny", "--model-path", str(tiny_model), "--heartbeat-s", "0.5",
+                             "--heartbeat-ttl-s", "2", "--sim-ttft-ms", "2", "--sim-itl-ms", "40"], env=env)
+
+
+async def test_streams_of_a_killed_worker_are_billed_and_billing_goes_on(nats_url, namespace, tiny_model,
+                                                                         ledger_url):
+    """Issue 14 as it was seen: SIGKILL a sim worker while 4 streams run on 2 workers, then send 6 more requests.
+    The streams that failed after tokens end ``worker_unavailable`` (18 characters: a 16-character column on
+    Postgres refused them and held every usage message behind them); now all 10 requests are in the ledger."""
+    key = await team_key(ledger_url, "eta")
+    mesh = LocalMesh(nats_url, namespace, dev_key=KEY)
+    await mesh.start_router()
+    await mesh.start_admission()
+    await mesh.start_metering(database_url=ledger_url, sync_s=0.2)
+    procs = {wid: sim_worker_process(nats_url, namespace, tiny_model, wid) for wid in ("sim-a", "sim-b")}
+    try:
+        edge = await mesh.start_edge()
+        await eventually(lambda: len(edge.mesh.directory.live()) == 2 and edge.mesh.is_ready(), 60)
+        await eventually(lambda: any(a.leadership.is_leader for a in mesh.admissions), 10)
+        client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key=key, max_retries=0)
+        streams = [await client.completions.create(model="tiny", prompt=[3 + i, 4, 5], max_tokens=150, stream=True,
+                                                   extra_body={"ignore_eos": True}) for i in range(4)]
+        firsts = [await stream.__anext__() for stream in streams]  # every stream has sent tokens
+        running = {wid: (await edge.mesh.bus.request(edge.mesh.bus.subjects.worker_load(wid), LoadRequest(),
+                                                     LoadSnapshot)).num_running for wid in procs}
+        doomed = max(running, key=running.__getitem__)
+        procs[doomed].send_signal(signal.SIGKILL)
+        outcomes = await asyncio.gather(*(_drain(stream) for stream in streams))
+        failed = {first.id.removeprefix("cmpl-") for first, ok in zip(firsts, outcomes) if not ok}
+        assert len(failed) == running[doomed] >= 1, (running, outcomes)
+        more = [await client.completions.create(model="tiny", prompt=[9, i], max_tokens=4) for i in range(6)]
+        await eventually(lambda: mesh.meterings[0].stats["inserted"] >= 10, 20)
+        rows = await ledger_rows(ledger_url)
+        assert len(rows) == 10 and {r.id.removeprefix("cmpl-") for r in more} <= set(rows)
+        for request_id in failed:
+            row = rows[request_id]
+            assert (row.status, row.finish_reason, row.worker_id) == ("failed", "worker_unavailable", doomed), row
+            assert 1 <= row.completion_tokens < 150
+        metering = mesh.meterings[0]
+        assert metering.db_up and metering.health().ok and sum(v for k, v in metering.stats.items()
+                                                               if k.startswith("dead_letters")) == 0
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+            proc.wait(10)
+        await mesh.stop()
+
+
+async def _drain(stream) -> bool:
+    """Read a stream to its end: True if it ended well, False if it failed mid-way."""
+    try:
+        async for _chunk in stream:
+            pass
+        return True
+    except openai.APIError:
+        return False
