@@ -4,6 +4,8 @@ when they die (``supervisor.py``)."""
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import signal
 import sys
 import tempfile
@@ -205,8 +207,9 @@ def start_processes(group: ProcessGroup, options: MeshOptions, model_path: str, 
         else:
             args += _sim_args(options, process)
         group.python_service(process.name, "services.worker", args, env)
+    edge_secret = os.environ.get("INFERMESH_EDGE_SECRET") or secrets.token_hex(32)  # one for every edge, restarts too
     group.python_service("edge", "services.edge", ["--host", options.host, "--http-port", str(options.http_port)],
-                         {**env, "INFERMESH_DEV_KEY": options.dev_key})
+                         {**env, "INFERMESH_DEV_KEY": options.dev_key, "INFERMESH_EDGE_SECRET": edge_secret})
     return nats_url
 
 
