@@ -16,8 +16,8 @@ from services.admission.budgets import month_of
 from shared import schema
 from shared.bus import Bus, BusError
 from shared.kv_cas import ensure_bucket, get_last
-from shared.schema import (LeaseGranted, LeaseRejected, LeaseRelease, LeaseReply, LeaseRequest, ModelPrice,
-                           PriceSheet, TeamSpend, UsageEvent, WorkerInfo)
+from shared.schema import (BudgetHold, LeaseGranted, LeaseRecord, LeaseRejected, LeaseRelease, LeaseReply,
+                           LeaseRequest, ModelPrice, PriceSheet, TeamSpend, UsageEvent, WorkerInfo)
 from shared.usage import UsagePublisher, ensure_usage_stream
 from tests.utils import eventually
 
@@ -142,3 +142,25 @@ async def _equals(value, expected) -> bool:
 
 async def _none(*checks) -> bool:
     return not any(await asyncio.gather(*checks))
+
+
+async def test_a_lease_that_left_a_hold_is_not_restored_as_a_lease(nats_url, namespace):
+    """The old leader wrote the hold and died before deleting the lease record: the lease ended, its cost is held."""
+    bus = await Bus.connect(nats_url, namespace, "test-edge")
+    await setup_mesh(bus)
+    leases = await ensure_bucket(bus, bus.subjects.leases_bucket)
+    await leases.put("l-ended", schema.encode(LeaseRecord("ended", "t", "interactive", "m", 200, "edge-1", WORST)))
+    await leases.put("h-ended", schema.encode(BudgetHold("ended", "t", 400_000, 7)))
+    await leases.put("l-running", schema.encode(LeaseRecord("running", "t", "interactive", "m", 200, "edge-1",
+                                                            WORST)))
+    mesh = LocalMesh(nats_url, namespace)
+    try:
+        admission = await mesh.start_admission(lease_ttl_s=30.0, leader_ttl_s=1.0)
+        await eventually(lambda: admission.stats["restored"] == 1, 10)
+        assert admission.stats["holds_restored"] == 1 and set(admission.models) == {"running"}
+        assert admission.budgets.committed_nano("t", time.time()) == 400_000 + WORST
+        assert not await key_exists(bus, "l-ended") and await key_exists(bus, "h-ended")
+        assert await key_exists(bus, "l-running")
+    finally:
+        await mesh.stop()
+        await bus.close()
