@@ -35,6 +35,8 @@ Invariants:
     with ``restore_hold`` before it admits anyone.
   * A team without a budget keeps no holds (nor does a zero cost): it is never refused, so they would
     protect nothing, and when it gets a budget the ledger's spend is where that budget starts.
+  * Known gap: a holder cut off from NATS (alive, not dead) whose lease lapsed and that publishes its usage
+    only later, past b, is counted once the ledger has it, not before.
 """
 
 from __future__ import annotations
