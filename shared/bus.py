@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
+from collections import deque
 from typing import Any, Awaitable, Callable, TypeVar
 
 import nats
@@ -24,6 +26,7 @@ from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
 
 from shared import schema
+from shared.nats_auth import NatsCredentials
 from shared.schema import StreamEnd, StreamError, StreamMessage, TokenChunk
 from shared.subjects import Subjects
 from shared.telemetry import extract_context, inject_headers
@@ -44,17 +47,50 @@ class Bus:
         self.nc = nc
         self.subjects = subjects
         self.js = nc.jetstream()
+        self.refusals: deque[str] = deque(maxlen=100)  # the server's permission violations (Bus.connect fills it)
+        self._reconnect: Callable[[str], Awaitable["Bus"]] | None = None
+
+    async def connect_again(self, name: str) -> "Bus":
+        """A second connection like this one (same server, namespace and credentials), e.g. for a thread."""
+        if self._reconnect is None:
+            raise BusError("this bus was not made by Bus.connect: it cannot connect again")
+        return await self._reconnect(name)
 
     @classmethod
-    async def connect(cls, url: str, namespace: str, name: str) -> "Bus":
-        nc = await nats.connect(
-            url,
-            name=name,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
-            connect_timeout=5,
-        )
-        return cls(nc, Subjects(namespace))
+    async def connect(cls, url: str, namespace: str, name: str, credentials: NatsCredentials | None = None) -> "Bus":
+        """Connect as ``credentials`` (default: the ``INFERMESH_NATS_*`` env vars, see ``shared/nats_auth.py``).
+
+        An unreachable server is retried forever; credentials or a certificate the server refuses raise
+        BusError at once (retrying cannot help). Permission violations later are logged and kept, the
+        newest last, in ``refusals``."""
+        credentials = NatsCredentials.from_env() if credentials is None else credentials
+        refusals: deque[str] = deque(maxlen=100)
+        refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
+
+        async def on_error(exc: Exception) -> None:
+            text = str(exc).lower()
+            if "authorization violation" in text or isinstance(exc, (nats.errors.AuthorizationError, ssl.SSLError)):
+                if not refused.done():
+                    refused.set_result(exc)
+            elif "permissions violation" in text:
+                refusals.append(str(exc))
+            log.warning("NATS (%s as %s): %s", name, credentials.user or "anonymous", exc)
+
+        nc = NatsClient()
+        connecting = asyncio.ensure_future(nc.connect(
+            url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5,
+            error_cb=on_error, **credentials.connect_options(url)))
+        await asyncio.wait([connecting, refused], return_when=asyncio.FIRST_COMPLETED)
+        if not connecting.done():
+            connecting.cancel()
+            await asyncio.gather(connecting, return_exceptions=True)
+            await nc.close()
+            raise BusError(f"NATS at {url} refused {name} (user {credentials.user or 'none'}): {refused.result()}")
+        connecting.result()
+        bus = cls(nc, Subjects(namespace))
+        bus.refusals = refusals
+        bus._reconnect = lambda again: cls.connect(url, namespace, again, credentials)
+        return bus
 
     async def close(self) -> None:
         if not self.nc.is_closed:
@@ -229,6 +265,10 @@ class StreamReceiver:
 
     def close(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+
+    def num_open(self, worker_id: str) -> int:
+        """Streams served by ``worker_id`` still waiting for their end."""
+        return sum(1 for s in self._streams.values() if s.worker_id == worker_id and not s.done)
 
     def fail_worker(self, worker_id: str, code: str, message: str) -> int:
         """Fail every open stream served by ``worker_id``; returns how many."""

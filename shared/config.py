@@ -13,6 +13,8 @@ import types
 import typing
 from typing import Any, Mapping, Sequence, TypeVar
 
+from shared.nats_auth import NatsCredentials
+
 ENV_PREFIX = "INFERMESH_"
 
 C = TypeVar("C")
@@ -25,6 +27,17 @@ class BusConfig:
     nats_url: str = "nats://127.0.0.1:4222"
     namespace: str = "im"
     log_level: str = "INFO"
+    # NATS credentials and TLS (shared/nats_auth.py); pass secrets as INFERMESH_NATS_* env vars, not flags
+    nats_user: str = ""
+    nats_password: str = dataclasses.field(default="", repr=False)
+    nats_creds: str = ""
+    nats_tls_ca: str = ""
+    nats_tls_cert: str = ""
+    nats_tls_key: str = ""
+
+    def credentials(self) -> NatsCredentials:
+        return NatsCredentials(self.nats_user, self.nats_password, self.nats_creds, self.nats_tls_ca,
+                               self.nats_tls_cert, self.nats_tls_key)
 
 
 def _base_type(annotation: Any) -> type:

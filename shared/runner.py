@@ -32,7 +32,7 @@ def setup_logging(level: str, name: str) -> None:
 async def serve(name: str, config: BusConfig, build: Callable[[Bus], Service | Awaitable[Service]]) -> None:
     """Connect, start the service, wait for SIGINT/SIGTERM, stop it and close the bus."""
     setup_tracing(f"infermesh-{name}")
-    bus = await Bus.connect(config.nats_url, config.namespace, name=f"infermesh-{name}")
+    bus = await Bus.connect(config.nats_url, config.namespace, f"infermesh-{name}", config.credentials())
     built = build(bus)
     service = await built if asyncio.iscoroutine(built) else built
     stop = asyncio.Event()
