@@ -1,6 +1,8 @@
 """OpenAI endpoints on top of EdgeMesh: auth, validation, templating, response shapes, SSE.
 
-Streaming responses start only after the first token (or the first error)
+The API key is checked by http.serve from the headers, before the body is read;
+the body then goes through prep.py (inline, or in a worker process when it is big or
+carries tool schemas not seen before). Streaming responses start only after the first token (or the first error)
 arrived, so errors before any token get a proper HTTP status. A client that
 disconnects cancels the request (see http.py), which aborts the engine request.
 """
@@ -25,15 +27,11 @@ from services.edge.config import EdgeConfig
 from services.edge.http import HttpRequest, JsonReply, Reply, SseReply
 from services.edge.keys import Caller
 from services.edge.mesh import EdgeMesh, Finished, RouteHints, StreamBroken, Tally
-from services.edge.protocol import (
-    MAX_ID_LENGTH,
-    ChatCompletionRequest, ChatOutput, CompletionRequest, InvalidRequest, Sampling, parse_body, validate_chat,
-    validate_completion,
-)
+from services.edge.prep import Peek, PrepJob, PrepPool, Prepared, engine_sampling, peek
+from services.edge.protocol import MAX_ID_LENGTH, Sampling
 from services.edge.tokenizer import ModelTokenizer
-from services.edge.tools import ContentDelta, ToolCallParser, build_constraint, make_parser
-from services.edge.tools.render import render_messages
-from shared.schema import LeaseRelease, SamplingParams, Structured, UsageEvent
+from services.edge.tools import ContentDelta, ToolCallParser, ToolLimits, make_parser
+from shared.schema import BillingContext, LeaseRelease, SamplingParams, Structured, UsageEvent
 from shared.telemetry import tracer, tracing_enabled
 
 log = logging.getLogger("infermesh.edge")
@@ -59,6 +57,8 @@ class EdgeApi:
         self.config = config
         self.mesh = mesh
         self._billing: set[asyncio.Task[None]] = set()
+        self.prep = PrepPool(config.prep_processes, config.inline_prep_bytes)
+        self.limits = ToolLimits(config.max_tools, config.max_tools_bytes, config.max_schema_depth)
 
     # ------------------------------------------------------------ auth
     def authenticate(self, authorization: str | None) -> Caller:
@@ -80,43 +80,27 @@ class EdgeApi:
         return {"object": "list", "data": data}
 
     async def chat_completions(self, request: HttpRequest) -> Reply:
-        body, (messages, sampling, output) = self._validated(request, ChatCompletionRequest, validate_chat)
-        info, tokenizer = await self._model(body.model)
-        fmt = self.config.tool_format(body.model)
-        tools = output.tools if output.tools is not None and output.tools.choice != "none" else None
-        if output.tools is not None or any("tool_calls" in m or m["role"] == "tool" for m in messages):
-            messages = render_messages(messages, tools.tools if tools else (), fmt)
-        structured = self._structured(fmt, tools, output)
-        return await self._serve(request, "chat", body, tokenizer.apply_chat_template(messages), sampling,
-                                 tokenizer, info.max_model_len, structured,
-                                 (lambda prefix: make_parser(fmt, tools.tools, prefix)) if tools else None)
-
-    def _structured(self, fmt: str, tools: Any, output: ChatOutput) -> Structured | None:
-        """The grammar the engine enforces: the tools' structural tag (``tools``: None when tool_choice is none
-        or none were declared) and/or the response format's JSON."""
-        response_format = output.response_format if output.response_format.kind != "text" else None
-        constraint = build_constraint(fmt, tools, response_format)
-        if constraint is None:
-            return None
-        return Structured(constraint.kind, constraint.spec, self.config.tool_close_within)  # type: ignore[arg-type]
+        return await self._handle(request, "chat")
 
     async def completions(self, request: HttpRequest) -> Reply:
-        body, (prompt, sampling) = self._validated(request, CompletionRequest, validate_completion)
-        info, tokenizer = await self._model(body.model)
-        prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        if prompt_ids and (min(prompt_ids) < 0 or max(prompt_ids) >= tokenizer.vocab_size):
-            raise errors.invalid_request(f"Token ids in 'prompt' must be in [0, {tokenizer.vocab_size}).", "prompt")
-        return await self._serve(request, "text", body, prompt_ids, sampling, tokenizer, info.max_model_len)
+        return await self._handle(request, "text")
 
     # ------------------------------------------------------------ shared flow
-    def _validated(self, request: HttpRequest, kind: type, validate: Callable[[Any], Any]) -> tuple[Any, Any]:
-        """Authenticate, decode the body as ``kind`` and validate it; InvalidRequest becomes a 400."""
-        request.caller = self.authenticate(request.headers.get("authorization"))
-        try:
-            body = parse_body(request.body, kind)
-            return body, validate(body)
-        except InvalidRequest as exc:
-            raise errors.invalid_request(exc.message, exc.param, exc.code) from exc
+    async def _handle(self, request: HttpRequest, kind: str) -> Reply:
+        """Peek at the model, prepare the request (inline or in a worker process: prep.py), serve it."""
+        seen = peek(request.body)
+        if seen is None:  # not even a model: decoding the body says what is wrong with it
+            await self.prep.run(PrepJob(kind, request.body, None), None)  # type: ignore[arg-type]
+            raise errors.invalid_request("The request body could not be read.")
+        info, tokenizer = await self._model(seen.model)
+        prepared = await self.prep.run(self._job(kind, request.body, seen, info), tokenizer, seen.schema_key())
+        tools, fmt = prepared.tools, self.config.tool_format(prepared.model)
+        parser = (lambda prefix: make_parser(fmt, tools.tools, prefix)) if tools else None
+        return await self._serve(request, kind, prepared, tokenizer, parser)
+
+    def _job(self, kind: str, body: bytes, seen: Peek, info: Any) -> PrepJob:
+        return PrepJob(kind, body, info.tokenizer, info.max_model_len, self.config.tool_format(seen.model),  # type: ignore[arg-type]
+                       self.config.tool_close_within, self.limits)
 
     async def _model(self, model: str) -> tuple[Any, ModelTokenizer]:
         info = self.mesh.model_info(model)
@@ -126,34 +110,14 @@ class EdgeApi:
 
     def _engine_sampling(self, sampling: Sampling, num_prompt: int, max_len: int,
                          tokenizer: ModelTokenizer, structured: Structured | None = None) -> SamplingParams:
-        if sampling.max_tokens is None:
-            if num_prompt >= max_len:
-                raise errors.context_length_exceeded(max_len, num_prompt, None)
-            max_tokens = max_len - num_prompt
-        elif num_prompt + sampling.max_tokens > max_len:
-            raise errors.context_length_exceeded(max_len, num_prompt, sampling.max_tokens)
-        else:
-            max_tokens = sampling.max_tokens
-        ignore_eos = sampling.ignore_eos and structured is None
-        return SamplingParams(  # ignore_eos (vLLM's, for benchmarks): max_tokens, past the model's stop tokens too
-            max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
-            stop_token_ids=[] if ignore_eos else tokenizer.stop_token_ids, presence_penalty=sampling.presence_penalty,
-            frequency_penalty=sampling.frequency_penalty, ignore_eos=ignore_eos, structured=structured,
-        )
+        return engine_sampling(sampling, num_prompt, max_len, tokenizer.stop_token_ids, structured)
 
-    async def _serve(self, request: HttpRequest, kind: str, body: Any, prompt_ids: list[int], sampling: Sampling,
-                     tokenizer: ModelTokenizer, max_len: int, structured: Structured | None = None,
+    async def _serve(self, request: HttpRequest, kind: str, prepared: Prepared, tokenizer: ModelTokenizer,
                      parser: Callable[[str], ToolCallParser] | None = None) -> Reply:
-        model, stream = body.model, body.stream
+        model, stream, prompt_ids, params = prepared.model, prepared.stream, prepared.prompt_ids, prepared.params
         arrived = time.time()
         caller: Caller = request.caller
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        try:
-            params = self._engine_sampling(sampling, len(prompt_ids), max_len, tokenizer, structured)
-        except errors.ApiError as exc:
-            if kind == "text":
-                exc.param = "prompt"
-            raise
+        include_usage = prepared.include_usage
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         request_id = uuid.uuid4().hex
         response_id = f"{prefix}-{request_id}"
@@ -163,7 +127,7 @@ class EdgeApi:
                                       kind=trace.SpanKind.SERVER)
             span.set_attributes({"infermesh.request_id": request_id, "gen_ai.request.model": model,
                                  "infermesh.num_prompt_tokens": len(prompt_ids), "infermesh.stream": stream})
-        hints = RouteHints(self._session_id(request, body), body.cache_salt)
+        hints = RouteHints(self._session_id(request, prepared), prepared.cache_salt)
         klass = self._request_class(request)
         admission = self.mesh.admission
         lease_id = None
@@ -175,9 +139,12 @@ class EdgeApi:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
                 span.end()
                 raise
-        tally = Tally()
-        bill = _Bill(request_id, caller, model, arrived, lease_id, tally, _trace_id(span, request.headers))
-        events = _then(self.mesh.generate(request_id, model, prompt_ids, params, tokenizer, sampling.stop, hints,
+        trace_id = _trace_id(span, request.headers)
+        tally = Tally(billing=BillingContext(request_id=request_id, attempt=0, team=caller.team, key_prefix=caller.key_prefix,
+                                             model=model, request_class=klass, worker_id="", trace_id=trace_id,
+                                             created_at=arrived))  # signed into each attempt: billed if we die
+        bill = _Bill(request_id, caller, model, arrived, lease_id, tally, trace_id)
+        events = _then(self.mesh.generate(request_id, model, prompt_ids, params, tokenizer, prepared.stop, hints,
                                           tally), lambda: self._spawn_bill(bill))
         try:
             with trace.use_span(span, end_on_exit=False) if span.is_recording() else nullcontext():
@@ -234,7 +201,7 @@ class EdgeApi:
             raise errors.invalid_request(f"X-Request-Class must be one of {', '.join(CLASSES)}.", "X-Request-Class")
         return klass
 
-    def _session_id(self, request: HttpRequest, body: Any) -> str | None:
+    def _session_id(self, request: HttpRequest, body: Prepared) -> str | None:
         """The session the request belongs to: ``X-Session-Id``, else ``user`` when so configured."""
         session = request.headers.get("x-session-id") or (body.user if self.config.session_from_user else None)
         if session is not None and len(session) > MAX_ID_LENGTH:

@@ -41,14 +41,17 @@ def create_app(api: EdgeApi) -> Litestar:
     def list_models(request: Request) -> dict[str, Any]:
         return api.models(request.headers.get("authorization"))
 
-    # The two hot endpoints are raw ASGI inside Litestar's router (see http.py for why).
+    # The two hot endpoints are raw ASGI inside Litestar's router (see http.py for why): the key is
+    # checked before their body is read, which is read within the limits.
+    limits = http.BodyLimits(api.config.max_body_bytes, api.config.body_timeout_s)
+
     @asgi("/v1/chat/completions", copy_scope=False)
     async def chat_completions(scope: Scope, receive: Receive, send: Send) -> None:
-        await http.serve(scope, receive, send, api.chat_completions)  # type: ignore[arg-type]
+        await http.serve(scope, receive, send, api.chat_completions, limits, api.authenticate)  # type: ignore[arg-type]
 
     @asgi("/v1/completions", copy_scope=False)
     async def completions(scope: Scope, receive: Receive, send: Send) -> None:
-        await http.serve(scope, receive, send, api.completions)  # type: ignore[arg-type]
+        await http.serve(scope, receive, send, api.completions, limits, api.authenticate)  # type: ignore[arg-type]
 
     @get("/health", sync_to_thread=False)
     def health() -> dict[str, str]:

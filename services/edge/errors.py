@@ -68,3 +68,20 @@ def insufficient_quota(message: str) -> ApiError:
     """429 as OpenAI sends it when the account's quota is spent (not retryable by waiting seconds)."""
     return ApiError(429, f"You exceeded your current quota: {message}", "insufficient_quota", None,
                     "insufficient_quota")
+
+
+def unrecognized_argument(name: str) -> ApiError:
+    """OpenAI's answer to a body field it does not know (``logit_bias`` here, a typo anywhere)."""
+    return ApiError(400, f"Unrecognized request argument supplied: {name}", "invalid_request_error", name,
+                    "unrecognized_argument")
+
+
+def body_too_large(limit: int) -> ApiError:
+    return ApiError(413, f"The request body is larger than the limit of {limit} bytes.", "invalid_request_error",
+                    None, "request_too_large", {"Connection": "close"})
+
+
+def request_timeout(what: str, timeout_s: float) -> ApiError:
+    """408: the client took longer than ``timeout_s`` to send ``what``; the connection is closed."""
+    return ApiError(408, f"The request {what} did not arrive within {timeout_s:g} s.", "invalid_request_error",
+                    None, "request_timeout", {"Connection": "close"})

@@ -2,11 +2,26 @@
 
 Decoding errors become ``InvalidRequest`` naming the offending param, so the edge
 can answer an OpenAI-shaped 400. Parameters infermesh does not implement yet are
-rejected loudly rather than silently ignored.
+rejected loudly rather than silently ignored, and so is any top-level field the edge
+does not know (``Unrecognized request argument supplied: logit_bias``, as OpenAI).
+
+Accepted top-level fields, besides what the edge implements:
+
+- OpenAI's that change nothing here (platform bookkeeping and hints): ``metadata``, ``store``,
+  ``service_tier``, ``safety_identifier``, ``prompt_cache_key``, ``prompt_cache_retention``,
+  ``prompt_cache_options``, ``reasoning_effort``, ``verbosity``, ``modalities`` (``["text"]`` only),
+  ``top_logprobs`` (0 only), ``best_of`` (1 only, completions);
+- vLLM's extensions: ``ignore_eos``, ``cache_salt``.
+
+Nested objects (messages, content parts, stream_options) keep unknown fields: clients send back
+what the SDK gave them (``refusal``, ``annotations``, ``include_obfuscation``). Numbers are bounded
+(``seed`` an int64, token counts an int32), and nesting deeper than the parser's recursion limit is a
+400 naming the top-level field it is under, never a 500.
 """
 
 from __future__ import annotations
 
+import io
 import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -14,13 +29,15 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from services.edge.tools import (ResponseFormat, ToolRequestError, ToolSpec, validate_response_format,
+from services.edge.tools import (ResponseFormat, ToolLimits, ToolRequestError, ToolSpec, validate_response_format,
                                  validate_tool_messages, validate_tools)
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-PositiveInt = Annotated[int, Meta(ge=1)]
+PositiveInt = Annotated[int, Meta(ge=1, le=2**31 - 1)]
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # what the engines and the bus carry (int64)
+Count = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 
 
 MAX_ID_LENGTH = 256  # session ids and cache salts
@@ -51,7 +68,7 @@ class StreamOptions(Struct):
     include_usage: bool = False
 
 
-class _Common(Struct, kw_only=True):
+class _Common(Struct, kw_only=True, forbid_unknown_fields=True):
     model: str
     max_tokens: PositiveInt | None = None
     temperature: Temperature | None = None
@@ -60,13 +77,21 @@ class _Common(Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     user: str | None = None
     logprobs: bool | int | None = None
     ignore_eos: bool = False  # vLLM's extension (extra_body): generate max_tokens, for benchmarks
     cache_salt: str | None = None  # vLLM's extension: prefix cache shared only by requests with the same salt
+    # OpenAI's, accepted with no effect here (see the module docstring)
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, str | int | float | bool | None] | None = None
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -76,12 +101,17 @@ class ChatCompletionRequest(_Common, kw_only=True):
     tool_choice: Any = None
     parallel_tool_calls: Any = None
     response_format: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    modalities: list[str] | None = None
+    top_logprobs: Count | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
     prompt: str | list[Any]  # str, [str], [int] (token ids) or [[int]]
     echo: bool = False
     suffix: str | None = None
+    best_of: PositiveInt | None = None
 
 
 @dataclass(slots=True)
@@ -112,15 +142,54 @@ def _param_of(error: msgspec.ValidationError) -> str | None:
     return prefix or None
 
 
+_UNKNOWN = re.compile(r"^Object contains unknown field `(.+?)`$")
+
+
 def parse_body(body: bytes, kind: type[Struct]) -> Any:
     if not body:
         raise InvalidRequest("The request body is empty; expected a JSON object.")
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
+        unknown = _UNKNOWN.match(str(exc))
+        if unknown:  # only the top level forbids unknown fields, so the name is the param
+            raise InvalidRequest(f"Unrecognized request argument supplied: {unknown.group(1)}", param=unknown.group(1),
+                                 code="unrecognized_argument") from None
         raise InvalidRequest(f"Invalid request: {exc}", param=_param_of(exc)) from exc
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"We could not parse the JSON body of your request: {exc}") from exc
+    except RecursionError:
+        raise too_deep(nested_field(body)) from None
+
+
+MAX_NESTING = 64  # what ``nested_field`` calls deep; the parser itself gives up near 1,000
+
+
+def too_deep(param: str | None) -> InvalidRequest:
+    where = f"'{param}'" if param else "The request body"
+    return InvalidRequest(f"{where} is nested too deeply.", param=param, code="nesting_too_deep")
+
+
+def nested_field(body: bytes, limit: int = MAX_NESTING) -> str | None:
+    """The top-level field under which ``body`` nests deeper than ``limit`` (None: nowhere, or not JSON).
+
+    An iterative C parser (ijson's yajl2), stopped at the first too-deep value: never recursion."""
+    import ijson
+
+    depth, key = 0, None
+    try:
+        for event, value in ijson.basic_parse(io.BytesIO(body), buf_size=65536):
+            if event in ("start_map", "start_array"):
+                depth += 1
+                if depth > limit:
+                    return key
+            elif event in ("end_map", "end_array"):
+                depth -= 1
+            elif event == "map_key" and depth == 1:
+                key = value
+    except Exception:  # justified: any parse failure here only means "no param to name"
+        return None
+    return None
 
 
 def _check_common(req: _Common) -> Sampling:
@@ -128,6 +197,8 @@ def _check_common(req: _Common) -> Sampling:
         raise InvalidRequest("Only n=1 is supported.", param="n")
     if req.logprobs:
         raise InvalidRequest("logprobs are not supported yet.", param="logprobs")
+    if req.metadata is not None and len(req.metadata) > 16:
+        raise InvalidRequest("metadata may hold at most 16 pairs.", param="metadata")
     if req.stream_options is not None and not req.stream:
         raise InvalidRequest("stream_options is only allowed when stream is true.", param="stream_options")
     if req.cache_salt is not None and not 0 < len(req.cache_salt) <= MAX_ID_LENGTH:
@@ -156,7 +227,8 @@ class ChatOutput:
     response_format: ResponseFormat
 
 
-def validate_chat(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], Sampling, ChatOutput]:
+def validate_chat(req: ChatCompletionRequest,
+                  limits: ToolLimits = ToolLimits()) -> tuple[list[dict[str, Any]], Sampling, ChatOutput]:
     """Normalized messages (content as plain text; assistant ``tool_calls`` and ``tool_call_id`` kept),
     sampling options, and the tools / response format (each validated: a bad one is a 400 naming it)."""
     sampling = _check_common(req)
@@ -164,9 +236,13 @@ def validate_chat(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], Sam
         sampling.max_tokens = req.max_completion_tokens
     if not req.messages:
         raise InvalidRequest("'messages' must contain at least one message.", param="messages")
+    if req.top_logprobs:
+        raise InvalidRequest("top_logprobs is not supported yet.", param="top_logprobs")
+    if req.modalities is not None and req.modalities != ["text"]:
+        raise InvalidRequest("Only the 'text' modality is supported.", param="modalities")
     try:
-        output = ChatOutput(validate_tools(req.tools, req.tool_choice, req.parallel_tool_calls),
-                            validate_response_format(req.response_format))
+        output = ChatOutput(validate_tools(req.tools, req.tool_choice, req.parallel_tool_calls, limits),
+                            validate_response_format(req.response_format, limits))
         validate_tool_messages(req.messages)
     except ToolRequestError as exc:
         raise InvalidRequest(exc.message, param=exc.param) from exc
@@ -198,6 +274,8 @@ def validate_completion(req: CompletionRequest) -> tuple[str | list[int], Sampli
         raise InvalidRequest("echo is not supported yet.", param="echo")
     if req.suffix:
         raise InvalidRequest("suffix is not supported.", param="suffix")
+    if req.best_of is not None and req.best_of != 1:
+        raise InvalidRequest("Only best_of=1 is supported.", param="best_of")
     prompt = req.prompt
     if isinstance(prompt, list):
         if len(prompt) == 0:

@@ -1,4 +1,5 @@
-"""Edge service: the mesh client (EdgeMesh) plus the HTTP server (uvicorn running Litestar)."""
+"""Edge service: the mesh client (EdgeMesh) plus the HTTP server (uvicorn running Litestar, on the guarded
+httptools protocol of connection.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import uvicorn
 from services.edge.api import EdgeApi
 from services.edge.app import create_app
 from services.edge.config import EdgeConfig
+from services.edge.connection import HeaderLimits, guarded_protocol
 from services.edge.mesh import EdgeMesh
 from shared.bus import Bus
 
@@ -34,8 +36,8 @@ class EdgeService:
         await self.mesh.start()
         server_config = uvicorn.Config(
             self.app, host=self.config.host, port=self.config.http_port, log_level="warning",
-            access_log=False, lifespan="off", loop="none", http="httptools", timeout_graceful_shutdown=2,
-            proxy_headers=False,
+            access_log=False, lifespan="off", loop="none", timeout_graceful_shutdown=2, proxy_headers=False,
+            http=guarded_protocol(HeaderLimits(self.config.max_header_bytes, self.config.header_timeout_s)),
         )
         self._server = uvicorn.Server(server_config)
         self._task = asyncio.create_task(self._server.serve(), name="http")
@@ -53,4 +55,5 @@ class EdgeService:
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
         await self.api.drain_billing()
+        self.api.prep.close()
         await self.mesh.stop()

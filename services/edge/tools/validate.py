@@ -10,21 +10,83 @@ Rules that go beyond "well-formed":
 - ``tool_choice`` without ``tools`` is an error, except ``"none"``; ``parallel_tool_calls`` must be a bool
   and is ignored without tools (OpenAI rejects it; clients that always send it should not fail);
 - ``strict`` is accepted and recorded but does not loosen anything: infermesh enforces every tool's schema.
+
+Bounds (``ToolLimits``, from the edge config), checked before any schema is: at most ``max_tools`` tools,
+``max_bytes`` of them as JSON, and ``max_depth`` levels of JSON nesting in a schema (the checker, the
+grammar compiler and the renderers all recurse). A schema's check (jsonschema: ~5 s per MiB) is done once
+per distinct schema: the ones that passed are remembered by hash (agents resend the same tools each turn).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Sequence
 
+import msgspec
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
 NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 Choice = str  # "auto" | "none" | "required" | a declared tool's name
+MAX_CALL_DEPTH = 8  # an assistant message's tool call: {id, type, function: {name, arguments}}
+CHECKED_SCHEMAS = 1024  # how many distinct valid schemas are remembered
+
+
+@dataclass(frozen=True, slots=True)
+class ToolLimits:
+    max_tools: int = 128
+    max_bytes: int = 512 << 10
+    max_depth: int = 32
+
+
+def nests_deeper(value: Any, limit: int) -> bool:
+    """Whether ``value`` (decoded JSON) has more than ``limit`` levels of objects/arrays; iterative."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
+class _CheckedSchemas:
+    """An LRU of the hashes of schemas that passed the meta-schema check."""
+
+    def __init__(self, capacity: int = CHECKED_SCHEMAS) -> None:
+        self.capacity = capacity
+        self._keys: OrderedDict[bytes, None] = OrderedDict()
+
+    @staticmethod
+    def key(schema: Any) -> bytes:
+        return hashlib.sha256(msgspec.json.encode(schema)).digest()
+
+    def __contains__(self, key: bytes) -> bool:
+        if key in self._keys:
+            self._keys.move_to_end(key)
+            return True
+        return False
+
+    def add(self, key: bytes) -> None:
+        self._keys[key] = None
+        if len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+
+
+_checked = _CheckedSchemas()
+schema_key = _CheckedSchemas.key
+
+
+def remember_checked(keys: Sequence[bytes]) -> None:
+    """Schemas another process checked (by ``schema_key``): this one will not check them again."""
+    for key in keys:
+        _checked.add(key)
 
 
 class ToolRequestError(ValueError):
@@ -73,7 +135,8 @@ class ResponseFormat:
     strict: bool | None = None
 
 
-def validate_tools(tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = None) -> ToolSpec | None:
+def validate_tools(tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = None,
+                   limits: ToolLimits = ToolLimits()) -> ToolSpec | None:
     """The request's tools as a ``ToolSpec``, or None when it declares none (plain chat).
 
     ``tool_choice`` None means "auto" with tools; ``parallel_tool_calls`` None means True."""
@@ -87,10 +150,11 @@ def validate_tools(tools: Any, tool_choice: Any = None, parallel_tool_calls: Any
         raise ToolRequestError("tools must be an array of tool objects.", "tools")
     if not tools:
         raise ToolRequestError("tools must contain at least one tool; omit it to declare none.", "tools")
+    _check_bounds(tools, limits)
     parsed: list[Tool] = []
     seen: set[str] = set()
     for i, raw in enumerate(tools):
-        tool = _tool(raw, f"tools[{i}]")
+        tool = _tool(raw, f"tools[{i}]", limits.max_depth)
         if tool.name in seen:
             raise ToolRequestError(f"Duplicate tool name {tool.name!r}.", f"tools[{i}].function.name")
         seen.add(tool.name)
@@ -99,7 +163,16 @@ def validate_tools(tools: Any, tool_choice: Any = None, parallel_tool_calls: Any
     return ToolSpec(tools=tuple(parsed), choice=choice, parallel=parallel_tool_calls is not False)
 
 
-def _tool(raw: Any, where: str) -> Tool:
+def _check_bounds(tools: list[Any], limits: ToolLimits) -> None:
+    if len(tools) > limits.max_tools:
+        raise ToolRequestError(f"At most {limits.max_tools} tools may be declared, got {len(tools)}.", "tools")
+    size = len(msgspec.json.encode(tools))
+    if size > limits.max_bytes:
+        raise ToolRequestError(f"The tools take {size} bytes as JSON; at most {limits.max_bytes} are allowed.",
+                               "tools")
+
+
+def _tool(raw: Any, where: str, max_depth: int) -> Tool:
     if not isinstance(raw, Mapping):
         raise ToolRequestError("Each tool must be an object.", where)
     kind = raw.get("type")
@@ -119,7 +192,7 @@ def _tool(raw: Any, where: str) -> Tool:
     if parameters is None:
         parameters = dict(EMPTY_PARAMETERS)
     else:
-        _check_schema(parameters, f"{where}.function.parameters", object_only=True)
+        _check_schema(parameters, f"{where}.function.parameters", object_only=True, max_depth=max_depth)
     return Tool(name=name, description=description, parameters=parameters, strict=strict)
 
 
@@ -129,13 +202,20 @@ def _name(name: Any, param: str) -> str:
     return name
 
 
-def _check_schema(schema: Any, param: str, object_only: bool) -> None:
+def _check_schema(schema: Any, param: str, object_only: bool, max_depth: int) -> None:
     if not isinstance(schema, Mapping):
         raise ToolRequestError("The schema must be a JSON Schema object.", param)
-    try:
-        Draft202012Validator.check_schema(schema)
-    except SchemaError as exc:
-        raise ToolRequestError(f"Invalid JSON Schema: {exc.message}", param) from None
+    if nests_deeper(schema, max_depth):
+        raise ToolRequestError(f"The schema nests deeper than {max_depth} levels.", param)
+    key = _checked.key(schema)
+    if key not in _checked:
+        try:
+            Draft202012Validator.check_schema(schema)
+        except SchemaError as exc:
+            raise ToolRequestError(f"Invalid JSON Schema: {exc.message}", param) from None
+        except RecursionError:  # justified: a $ref cycle; depth itself is bounded above
+            raise ToolRequestError("The schema nests too deeply.", param) from None
+        _checked.add(key)
     if object_only and schema.get("type") != "object":
         raise ToolRequestError(f"The schema must be a JSON Schema of 'type: \"object\"', got "
                                f"'type: {json.dumps(schema.get('type'))}'.", param)
@@ -162,7 +242,7 @@ def _choice(tool_choice: Any, names: set[str]) -> Choice:
     return name
 
 
-def validate_response_format(response_format: Any) -> ResponseFormat:
+def validate_response_format(response_format: Any, limits: ToolLimits = ToolLimits()) -> ResponseFormat:
     """``None`` or ``{"type": "text"}`` -> kind "text"; json_object; json_schema with a valid schema."""
     if response_format is None:
         return ResponseFormat("text")
@@ -184,7 +264,11 @@ def validate_response_format(response_format: Any) -> ResponseFormat:
             raise ToolRequestError(f"{key} has the wrong type.", f"response_format.json_schema.{key}")
     if "schema" not in spec:
         raise ToolRequestError("response_format json_schema needs a 'schema'.", "response_format.json_schema.schema")
-    _check_schema(spec["schema"], "response_format.json_schema.schema", object_only=False)
+    if len(msgspec.json.encode(spec["schema"])) > limits.max_bytes:
+        raise ToolRequestError(f"The schema is larger than {limits.max_bytes} bytes as JSON.",
+                               "response_format.json_schema.schema")
+    _check_schema(spec["schema"], "response_format.json_schema.schema", object_only=False,
+                  max_depth=limits.max_depth)
     return ResponseFormat("json_schema", schema=spec["schema"], name=name, strict=spec.get("strict"))
 
 
@@ -201,6 +285,8 @@ def validate_tool_messages(messages: Sequence[Any]) -> None:
                 raise ToolRequestError("Only assistant messages may carry tool_calls.", f"messages[{i}].tool_calls")
             if not isinstance(tool_calls, list):
                 raise ToolRequestError("tool_calls must be an array.", f"messages[{i}].tool_calls")
+            if nests_deeper(tool_calls, MAX_CALL_DEPTH):
+                raise ToolRequestError("tool_calls nest too deeply.", f"messages[{i}].tool_calls")
             for j, call in enumerate(tool_calls):
                 call_ids.add(_history_call(call, f"messages[{i}].tool_calls[{j}]"))
         if role == "tool":
@@ -232,6 +318,8 @@ def _history_call(call: Any, where: str) -> str:
         json.loads(arguments)
     except ValueError:
         raise ToolRequestError("function.arguments is not valid JSON.", f"{where}.function.arguments") from None
+    except RecursionError:
+        raise ToolRequestError("function.arguments nests too deeply.", f"{where}.function.arguments") from None
     return call_id
 
 
