@@ -23,6 +23,7 @@ from services.router.service import RouterService
 from services.worker.config import WorkerConfig
 from services.worker.service import WorkerService
 from shared.bus import Bus
+from shared.nats_auth import NatsCredentials
 
 
 @dataclass
@@ -37,6 +38,7 @@ class LocalMesh:
     breakers: list[BreakerService] = field(default_factory=list)
     admissions: list[AdmissionService] = field(default_factory=list)
     meterings: list[MeteringService] = field(default_factory=list)
+    credentials: dict[str, NatsCredentials] = field(default_factory=dict)  # role -> its credentials (locked bus)
 
     @property
     def router(self) -> RouterService | None:
@@ -47,7 +49,7 @@ class LocalMesh:
         return self.edges[0] if self.edges else None
 
     async def _bus(self, name: str) -> Bus:
-        bus = await Bus.connect(self.nats_url, self.namespace, name)
+        bus = await Bus.connect(self.nats_url, self.namespace, name, self.credentials.get(name.partition("-")[0]))
         self.buses.append(bus)
         return bus
 
