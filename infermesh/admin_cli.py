@@ -167,9 +167,12 @@ async def _announce(nats_url: str, subject: str) -> None:
         return
     import nats
 
+    from infermesh.bus_auth import admin_credentials
+
     try:
-        connection = await asyncio.wait_for(
-            nats.connect(nats_url, allow_reconnect=False, connect_timeout=2, max_reconnect_attempts=0),
+        connection = await asyncio.wait_for(  # as admin on a bus up locked (the only role allowed to say so)
+            nats.connect(nats_url, allow_reconnect=False, connect_timeout=2, max_reconnect_attempts=0,
+                         **admin_credentials().connect_options(nats_url)),
             NATS_TIMEOUT_S)
         try:
             await connection.publish(subject, b"")

@@ -2,6 +2,7 @@
 
     infermesh up [--engine vllm|sim] [--workers N] [--model NAME] [--model-path DIR]
                  [--http-port P] [--nats-url URL] [--namespace NS]
+                 [--nats-tls-cert F --nats-tls-key F [--nats-tls-ca F]]   (NATS over TLS)
     infermesh up --pd P:D [--prefill-token-budget N] [--decode-token-budget N]   (disaggregated, NIXL)
     infermesh up --sim-decoders N [--sim-prefill M] [--sim-profile NAME] [--sim-clock-factor X]
                  [--sim-stream-interval K] [--sim-engines-per-process P] --model NAME --model-path DIR
@@ -44,7 +45,11 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--model-path", default="", help="model folder (default: Gemma 3 270M, converted once)")
     up.add_argument("--http-port", type=int, default=8000)
     up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--nats-url", default="", help="use this NATS (JetStream on) instead of starting one")
+    up.add_argument("--nats-url", default="", help="use this NATS (JetStream on) instead of starting one "
+                    "(credentials: $INFERMESH_NATS_USER/_PASSWORD or _CREDS; TLS CA: $INFERMESH_NATS_TLS_CA)")
+    up.add_argument("--nats-tls-cert", default="", help="TLS for the NATS up starts: its certificate (PEM)")
+    up.add_argument("--nats-tls-key", default="", help="... its private key (PEM)")
+    up.add_argument("--nats-tls-ca", default="", help="... the CA the services check it with (default: the system's)")
     up.add_argument("--namespace", default="im")
     up.add_argument("--max-model-len", type=int, default=8192)
     up.add_argument("--kv-cache-gib", type=float, default=1.0, help="vLLM CPU KV cache per worker")
@@ -95,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         options = MeshOptions(
             engine=args.engine or ("sim" if fleet else "vllm"), num_workers=args.workers, model=args.model, model_path=args.model_path,
             host=args.host, http_port=args.http_port, nats_url=args.nats_url, namespace=args.namespace,
+            nats_tls_cert=args.nats_tls_cert, nats_tls_key=args.nats_tls_key, nats_tls_ca=args.nats_tls_ca,
             max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, sim_ttft_ms=args.sim_ttft_ms,
             sim_itl_ms=args.sim_itl_ms, state_dir=args.state_dir, dev_key=key, ready_timeout_s=args.ready_timeout,
             sim_decoders=args.sim_decoders, sim_prefill=args.sim_prefill, sim_profile=args.sim_profile,

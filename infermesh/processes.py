@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.nats_auth import NatsCredentials
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -77,6 +79,7 @@ class Child:
 class ProcessGroup:
     log_dir: Path
     children: list[Child] = field(default_factory=list)
+    bus_credentials: dict[str, NatsCredentials] = field(default_factory=dict)  # role -> credentials (locked bus)
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -92,12 +95,20 @@ class ProcessGroup:
         return child
 
     def spawn_nats(self, port: int, store_dir: Path) -> Child:
+        """An open nats-server (anyone who reaches the port may do anything): tests, and ``--nats-url`` setups."""
         store_dir.mkdir(parents=True, exist_ok=True)
         return self.spawn("nats", [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port),
                                    "-sd", str(store_dir)])
 
+    def spawn_nats_config(self, config_path: Path) -> Child:
+        """nats-server from a config file (``infermesh/bus_auth.py`` writes the locked one)."""
+        return self.spawn("nats", [nats_server_binary(), "-c", str(config_path)])
+
     def python_service(self, name: str, module: str, args: list[str], env: dict[str, str]) -> Child:
-        return self.spawn(name, [sys.executable, "-m", module, *args], env)
+        """``python -m module``; on a locked bus it gets its role's credentials (``services.<role>``) in its env."""
+        credentials = self.bus_credentials.get(module.rpartition(".")[2])
+        return self.spawn(name, [sys.executable, "-m", module, *args],
+                          {**env, **credentials.env()} if credentials else env)
 
     def dead(self) -> list[Child]:
         return [c for c in self.children if not c.alive()]

@@ -15,7 +15,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from infermesh.processes import ProcessGroup, free_port, wait_for_port
+from infermesh.bus_auth import data_dir, start_locked_nats, tls_files
+from infermesh.processes import ProcessGroup
 from infermesh.supervisor import SupervisedGroup, Supervisor
 
 
@@ -31,6 +32,9 @@ class MeshOptions:
     host: str = "127.0.0.1"
     http_port: int = 8000
     nats_url: str = ""
+    nats_tls_cert: str = ""  # TLS on the NATS that up starts: its certificate, key, and the CA clients trust
+    nats_tls_key: str = ""
+    nats_tls_ca: str = ""
     namespace: str = "im"
     max_model_len: int = 8192
     kv_cache_gib: float = 1.0
@@ -177,13 +181,10 @@ def start_processes(group: ProcessGroup, options: MeshOptions, model_path: str, 
     """Start NATS (unless options.nats_url), router, breaker, admission, metering, workers and edge in ``group``;
     returns the NATS URL."""
     nats_url = options.nats_url
-    if not nats_url:
-        port = free_port()
-        group.spawn_nats(port, state / "nats")
-        if not wait_for_port(port, 15):
-            raise RuntimeError("nats-server did not start")
-        nats_url = f"nats://127.0.0.1:{port}"
-        _say(f"NATS with JetStream on {nats_url}")
+    if not nats_url:  # locked: one NATS user per service role (infermesh/bus_auth.py)
+        nats_url = start_locked_nats(group, state, options.namespace,
+                                     tls_files(options.nats_tls_cert, options.nats_tls_key, options.nats_tls_ca))
+        _say(f"NATS with JetStream on {nats_url} (locked: a user per service role, secrets in {data_dir()})")
     env = {"INFERMESH_NATS_URL": nats_url, "INFERMESH_NAMESPACE": options.namespace}
     group.python_service("router", "services.router", [], env)
     group.python_service("breaker", "services.breaker", [], env)

@@ -31,6 +31,7 @@ import uuid
 from pathlib import Path
 
 from infermesh.processes import ProcessGroup, free_port
+from infermesh.bus_auth import admin_credentials
 from infermesh.up import MeshOptions, start_processes, wait_ready, worker_processes
 from loadtests.http_agents import LiveDriver, SafeVocab, peak_token_rate, rescale
 from loadtests.report import RequestRecord, summarize, write_markdown_table, write_report
@@ -140,7 +141,7 @@ async def finished_by_worker(nats_url: str, options: MeshOptions) -> dict[str, i
 
     ids = [p.worker_id if p.num_engines == 1 else f"{p.worker_id}-{i}"
            for p in worker_processes(options) for i in range(p.num_engines)]
-    bus = await Bus.connect(nats_url, options.namespace, "live-fleet-probe")
+    bus = await Bus.connect(nats_url, options.namespace, "live-fleet-probe", admin_credentials())  # up's bus is locked
     try:
         snapshots = [await bus.request(bus.subjects.worker_load(w), LoadRequest(), LoadSnapshot) for w in ids]
     finally:

@@ -1,0 +1,145 @@
+"""A locked bus for ``infermesh up``: per-role secrets kept across starts, the nats-server config, provisioning.
+
+    secrets = load_or_create_secrets(data_dir())            # {role: password}; made once, 0600, reused
+    config = server_config(port, store_dir, Subjects(ns), secrets, tls)   # users with bus_roles' permissions
+    write_private(path, json.dumps(config))                  # 0600: it holds the passwords
+    await provision(url, ns, role_credentials(Role.ADMIN, secrets, tls))   # buckets + usage stream, first
+    url = start_locked_nats(group, state, ns, tls)          # all of it; group hands each service its credentials
+
+Invariants: the secrets file and the server config are written 0600 in folders of 0700 and never printed;
+a service gets its credentials in its environment (``INFERMESH_NATS_USER`` / ``_PASSWORD``), never on its
+command line; every bucket and the usage stream exist before any service connects, so no service can be the
+first to create one with a config of its own; without credentials the server refuses the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets as random
+from dataclasses import dataclass
+from pathlib import Path
+
+from infermesh.bus_roles import Role, buckets, permissions
+from infermesh.processes import ProcessGroup, free_port, wait_for_port
+from shared.nats_auth import NatsCredentials
+from shared.subjects import Subjects
+
+SECRETS_FILE = "nats-credentials.json"
+SECRET_BYTES = 32
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """The server's certificate and key (PEM), and the CA clients check it with ("" = the system's CAs)."""
+
+    cert: str
+    key: str
+    ca: str = ""
+
+
+def tls_files(cert: str = "", key: str = "", ca: str = "") -> TlsFiles | None:
+    """``up``'s ``--nats-tls-cert/-key/-ca`` as TlsFiles (absolute paths: nats-server runs elsewhere); None: no TLS."""
+    if not (cert or key or ca):
+        return None
+    if not (cert and key):
+        raise SystemExit("--nats-tls-cert and --nats-tls-key go together (and --nats-tls-ca with them)")
+    return TlsFiles(*(str(Path(f).resolve()) if f else "" for f in (cert, key, ca)))
+
+
+def data_dir() -> Path:
+    """``$XDG_DATA_HOME/infermesh`` (default ``~/.local/share/infermesh``), where the ledger lives too."""
+    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "infermesh"
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` readable by this user only (0600, folder 0700), atomically (a reader sees old or new)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as out:
+        out.write(text)
+    os.chmod(partial, 0o600)
+    os.replace(partial, path)
+
+
+def load_or_create_secrets(folder: Path) -> dict[Role, str]:
+    """Each role's password: read from ``folder/nats-credentials.json``, made (random) for roles it lacks."""
+    path = folder / SECRETS_FILE
+    stored: dict[str, str] = json.loads(path.read_text()) if path.exists() else {}
+    secrets = {role: stored.get(role.value) or random.token_urlsafe(SECRET_BYTES) for role in Role}
+    if any(stored.get(role.value) != secret for role, secret in secrets.items()) or path.stat().st_mode & 0o077:
+        write_private(path, json.dumps({role.value: secret for role, secret in secrets.items()}, indent=1))
+    return secrets
+
+
+def admin_credentials(folder: Path | None = None) -> NatsCredentials:
+    """What an operator's command (the admin CLI, a probe) connects as: the ``INFERMESH_NATS_*`` env vars when
+    they name a user or a creds file; else the admin role of the bus ``up`` locked on this machine (its secrets
+    file, with the env's TLS files); else anonymous (an open server)."""
+    env = NatsCredentials.from_env()
+    path = (folder or data_dir()) / SECRETS_FILE
+    if env.user or env.creds_file or not path.exists():
+        return env
+    return NatsCredentials(Role.ADMIN.value, json.loads(path.read_text())[Role.ADMIN.value], tls_ca=env.tls_ca,
+                           tls_cert=env.tls_cert, tls_key=env.tls_key)
+
+
+def role_credentials(role: Role, secrets: dict[Role, str], tls: TlsFiles | None = None) -> NatsCredentials:
+    return NatsCredentials(role.value, secrets[role], tls_ca=tls.ca if tls else "")
+
+
+def server_config(port: int, store_dir: Path, subjects: Subjects, secrets: dict[Role, str],
+                  tls: TlsFiles | None = None, host: str = "127.0.0.1") -> dict[str, object]:
+    """A nats-server config (JSON is valid config syntax): JetStream, one user per role, TLS if given."""
+    config: dict[str, object] = {
+        "listen": f"{host}:{port}",
+        "jetstream": {"store_dir": str(store_dir)},
+        "authorization": {"users": [
+            {"user": role.value, "password": secrets[role], "permissions": permissions(role, subjects).server_block()}
+            for role in Role]},
+    }
+    if tls is not None:
+        config["tls"] = {"cert_file": tls.cert, "key_file": tls.key, **({"ca_file": tls.ca} if tls.ca else {}),
+                         "timeout": 5}
+    return config
+
+
+def nats_url(port: int, tls: TlsFiles | None, host: str = "127.0.0.1") -> str:
+    return f"{'tls' if tls else 'nats'}://{host}:{port}"
+
+
+async def provision(url: str, namespace: str, admin: NatsCredentials) -> None:
+    """Create every bucket and stream of the namespace (as the services would), so a service never makes one."""
+    from shared.bus import Bus
+    from shared.kv_cas import ensure_bucket
+    from shared.orphans import ensure_orphans_stream
+    from shared.usage import ensure_dead_letter_stream, ensure_usage_stream
+
+    bus = await Bus.connect(url, namespace, "infermesh-provision", admin)
+    try:
+        for bucket in buckets(bus.subjects):
+            await ensure_bucket(bus, bucket)
+        for ensure in (ensure_usage_stream, ensure_dead_letter_stream, ensure_orphans_stream):
+            await ensure(bus)
+    finally:
+        await bus.close()
+
+
+def start_locked_nats(group: ProcessGroup, state: Path, namespace: str, tls: TlsFiles | None = None,
+                      secrets_dir: Path | None = None) -> str:
+    """Start nats-server locked (secrets made once under ``secrets_dir``, default ``data_dir()``), provision it,
+    and give ``group`` each service role's credentials; returns the URL."""
+    secrets = load_or_create_secrets(secrets_dir or data_dir())
+    port = free_port()
+    config_path = state / "nats" / "nats-server.json"
+    write_private(config_path, json.dumps(server_config(port, state / "nats" / "store", Subjects(namespace), secrets,
+                                                        tls), indent=1))
+    group.spawn_nats_config(config_path)
+    if not wait_for_port(port, 15):
+        raise RuntimeError("nats-server did not start")
+    url = nats_url(port, tls)
+    asyncio.run(provision(url, namespace, role_credentials(Role.ADMIN, secrets, tls)))
+    group.bus_credentials = {role.value: role_credentials(role, secrets, tls) for role in Role}
+    return url

@@ -1,0 +1,169 @@
+"""Who may do what on a locked bus: one NATS user per service role, each with publish and subscribe allow lists.
+
+Derived from ``shared/subjects.py`` (``<ns>`` is the namespace; a KV put is a publish on ``$KV.<bucket>.<key>``,
+a KV read a consumer on ``KV_<bucket>`` or a direct get; JetStream API calls are publishes on ``$JS.API.>``):
+
+| role      | publishes                                                       | subscribes                      | KV writes            | KV reads                      |
+|-----------|-----------------------------------------------------------------|---------------------------------|----------------------|-------------------------------|
+| edge      | router.route, worker.*.generate/abort, admission.*, outcome.*,  | stream.> (token streams)        | —                    | workers, breakers, api_keys   |
+|           | usage (JetStream)                                               |                                 |                      |                               |
+| router    | router.decisions, worker.*.kv_replay/kv_snapshot; replies       | router.route, router.*.explain, | sessions, breakers   | workers                       |
+|           |                                                                 | router.decisions, kv.*, load.*  | (probe permits)      |                               |
+| admission | replies (lease grants)                                          | admission.*                     | leases               | workers, billing              |
+| breaker   | breaker.transitions                                             | outcome.*                       | breakers             | workers                       |
+| metering  | acks on the usage stream, usage_dlq (dead letters, JetStream)   | metering.keys_changed, usage    | api_keys, billing    | —                             |
+|           |                                                                 | (durable consumer)              |                      |                               |
+| worker    | stream.> (tokens), load.*, kv.*; replies (load, kv pages, pong) | worker.>                        | workers (heartbeats) | —                             |
+| admin     | metering.keys_changed, worker.*.load/ping, router.*.explain;    | —                               | —                    | workers                       |
+|           | creates the buckets and both usage streams (``provision``)      |                                 |                      | usage_dlq (dead letters)      |
+
+Invariants: each role subscribes to replies only on its own inbox, ``_INBOX.<role>.>`` (so no role reads another's
+replies); a role answers requests only through ``allow_responses`` (one reply per request received) unless the
+subject is in its list; every role is denied stream update, delete and purge and message delete, ``$KV`` writes
+on every bucket it does not write, ``<ns>.usage`` unless it is the edge, ``<ns>.usage_dlq`` unless it is
+metering. Only admin creates buckets (``provision``, before any service starts), so no service can be the first
+to make one with a config of its own; the edge and metering send the usage streams' ``STREAM.CREATE`` (as
+``ensure_usage_stream`` does on every start), which on a stream that exists is a no-op or refused, never a change.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from shared.nats_auth import INBOX
+from shared.subjects import Subjects
+
+JS = "$JS.API"
+ALWAYS_DENIED = (f"{JS}.STREAM.UPDATE.>", f"{JS}.STREAM.DELETE.>", f"{JS}.STREAM.PURGE.>",
+                 f"{JS}.STREAM.MSG.DELETE.>")
+RESPONSE_WINDOW = "5m"  # how long a received request may still be answered (admission queues up to ~wait_s)
+
+
+class Role(enum.StrEnum):
+    EDGE = "edge"
+    ROUTER = "router"
+    ADMISSION = "admission"
+    BREAKER = "breaker"
+    METERING = "metering"
+    WORKER = "worker"
+    ADMIN = "admin"
+
+
+SERVICE_ROLES = {f"services.{r.value}": r for r in Role if r is not Role.ADMIN}  # service module -> its role
+
+
+@dataclass(frozen=True, slots=True)
+class Permissions:
+    """One NATS user's permissions: allow lists, denials that win over them, and whether it may answer requests."""
+
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    deny_publish: tuple[str, ...]
+    deny_subscribe: tuple[str, ...]
+    responds: bool
+
+    def server_block(self) -> dict[str, object]:
+        """The user's ``permissions`` block in a nats-server config."""
+        block: dict[str, object] = {
+            "publish": {"allow": list(self.publish), "deny": list(self.deny_publish)},
+            "subscribe": {"allow": list(self.subscribe), "deny": list(self.deny_subscribe)},
+        }
+        if self.responds:
+            block["allow_responses"] = {"max": 1, "expires": RESPONSE_WINDOW}
+        return block
+
+
+def kv_reads(bucket: str) -> tuple[str, ...]:
+    """Open the bucket (stream info: ``provision`` made it), watch it (ordered consumers, flow control), get keys."""
+    stream = f"KV_{bucket}"
+    return (f"{JS}.STREAM.INFO.{stream}", f"{JS}.CONSUMER.CREATE.{stream}",
+            f"{JS}.CONSUMER.CREATE.{stream}.>", f"{JS}.CONSUMER.DELETE.{stream}.>", f"{JS}.CONSUMER.INFO.{stream}.>",
+            f"{JS}.DIRECT.GET.{stream}", f"{JS}.DIRECT.GET.{stream}.>", f"{JS}.STREAM.MSG.GET.{stream}",
+            f"$JS.FC.{stream}.>")
+
+
+def kv_writes(bucket: str) -> tuple[str, ...]:
+    return (*kv_reads(bucket), f"$KV.{bucket}.>")
+
+
+def stream_publish(stream: str, subject: str) -> tuple[str, ...]:
+    """Publish to a JetStream stream, making sure it exists first (``STREAM.CREATE``: a no-op if it does)."""
+    return f"{JS}.STREAM.CREATE.{stream}", f"{JS}.STREAM.INFO.{stream}", subject
+
+
+def stream_consume(stream: str) -> tuple[str, ...]:
+    """Pull from a durable consumer on the stream (made if absent) and ack."""
+    return (f"{JS}.STREAM.CREATE.{stream}", f"{JS}.STREAM.INFO.{stream}", f"{JS}.CONSUMER.CREATE.{stream}",
+            f"{JS}.CONSUMER.CREATE.{stream}.>", f"{JS}.CONSUMER.DURABLE.CREATE.{stream}.>",
+            f"{JS}.CONSUMER.INFO.{stream}.>", f"{JS}.CONSUMER.MSG.NEXT.{stream}.>", f"$JS.ACK.{stream}.>")
+
+
+def stream_read(stream: str) -> tuple[str, ...]:
+    """Read a stream without consuming it for anyone: ephemeral consumers and message gets (an operator's view)."""
+    return (f"{JS}.STREAM.INFO.{stream}", f"{JS}.CONSUMER.CREATE.{stream}", f"{JS}.CONSUMER.CREATE.{stream}.>",
+            f"{JS}.CONSUMER.DELETE.{stream}.>", f"{JS}.STREAM.MSG.GET.{stream}", f"$JS.FC.{stream}.>")
+
+
+def buckets(s: Subjects) -> tuple[str, ...]:
+    return (s.workers_bucket, s.edges_bucket, s.leases_bucket, s.breakers_bucket, s.sessions_bucket,
+            s.api_keys_bucket, s.billing_bucket)
+
+
+def streams(s: Subjects) -> tuple[str, ...]:
+    """Every JetStream stream of the namespace: the buckets' and the three plain ones."""
+    return (*(f"KV_{b}" for b in buckets(s)), s.usage_stream, s.usage_dead_letter_stream, s.orphans_stream)
+
+
+def _grants(role: Role, s: Subjects) -> tuple[tuple[str, ...], tuple[str, ...], frozenset[str], bool]:
+    """(publish, subscribe, buckets written, answers requests) of one role, before the common parts."""
+    ns, worker, edge = s.namespace, f"{s.namespace}.worker.*", f"{s.namespace}.edge.*"
+    if role is Role.EDGE:
+        return ((s.route, f"{worker}.generate", f"{worker}.abort", f"{worker}.ping", f"{ns}.admission.*",
+                 s.outcome_all, *stream_publish(s.usage_stream, s.usage), *stream_consume(s.orphans_stream),
+                 *kv_reads(s.workers_bucket), *kv_reads(s.breakers_bucket), *kv_reads(s.api_keys_bucket),
+                 *kv_writes(s.edges_bucket)),
+                (f"{ns}.stream.>", f"{edge}.ping"), frozenset({s.edges_bucket}), True)
+    if role is Role.ROUTER:
+        return ((s.route_decisions, f"{worker}.kv_replay", f"{worker}.kv_snapshot", *kv_reads(s.workers_bucket),
+                 *kv_writes(s.breakers_bucket), *kv_writes(s.sessions_bucket)),
+                (s.route, f"{ns}.router.*.explain", s.route_decisions, s.kv_events_all, s.load_all),
+                frozenset({s.breakers_bucket, s.sessions_bucket}), True)
+    if role is Role.ADMISSION:
+        return ((*kv_reads(s.workers_bucket), *kv_reads(s.billing_bucket), *kv_writes(s.leases_bucket)),
+                (f"{ns}.admission.*",), frozenset({s.leases_bucket}), True)
+    if role is Role.BREAKER:
+        return ((s.breaker_transitions, *kv_reads(s.workers_bucket), *kv_writes(s.breakers_bucket)),
+                (s.outcome_all,), frozenset({s.breakers_bucket}), False)
+    if role is Role.METERING:
+        return ((*stream_consume(s.usage_stream), *stream_publish(s.usage_dead_letter_stream, s.usage_dead_letters),
+                 *kv_writes(s.api_keys_bucket), *kv_writes(s.billing_bucket)),
+                (s.keys_changed,), frozenset({s.api_keys_bucket, s.billing_bucket}), False)
+    if role is Role.WORKER:
+        return ((f"{ns}.stream.>", s.load_all, s.kv_events_all, f"{edge}.ping",
+                 *stream_publish(s.orphans_stream, s.orphans_all), *kv_reads(s.edges_bucket),
+                 *kv_writes(s.workers_bucket)),
+                (f"{ns}.worker.>",), frozenset({s.workers_bucket}), True)
+    provision = tuple(f"{JS}.STREAM.{verb}.{stream}" for stream in streams(s) for verb in ("INFO", "CREATE"))
+    return ((s.keys_changed, f"{worker}.load", f"{worker}.ping", f"{edge}.ping", f"{ns}.router.*.explain",
+             f"{JS}.INFO", *provision, *stream_read(s.usage_dead_letter_stream), *kv_reads(s.workers_bucket),
+             *kv_reads(s.edges_bucket)),
+            (), frozenset(), False)
+
+
+# Subjects only one role may publish (JetStream streams a forgery would land in): role -> subjects.
+OWN_PUBLISH = {Role.EDGE: lambda s: (s.usage,), Role.METERING: lambda s: (s.usage_dead_letters,),
+               Role.WORKER: lambda s: (s.orphans_all,)}
+
+
+def permissions(role: Role, subjects: Subjects) -> Permissions:
+    publish, subscribe, writes, responds = _grants(role, subjects)
+    deny = (*ALWAYS_DENIED, *(f"$KV.{b}.>" for b in buckets(subjects) if b not in writes),
+            *(subject for owner, owned in OWN_PUBLISH.items() if owner is not role for subject in owned(subjects)))
+    return Permissions(
+        publish=tuple(dict.fromkeys(publish)),
+        subscribe=(f"{INBOX}.{role.value}.>", *subscribe),
+        deny_publish=deny,
+        deny_subscribe=() if role is Role.EDGE else (f"{subjects.namespace}.stream.>",),
+        responds=responds,
+    )

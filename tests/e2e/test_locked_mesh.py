@@ -1,0 +1,90 @@
+"""``infermesh up`` with no ``--nats-url`` runs the whole sim mesh on a locked bus: each service as its role,
+secrets made once in the data dir (0600), none on a command line, not one refusal, and strangers kept out."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import stat
+import time
+
+import openai
+import pytest
+
+from infermesh import cli
+from infermesh.bus_auth import SECRETS_FILE, admin_credentials
+from infermesh.processes import free_port
+from shared.bus import Bus, BusError
+from shared.nats_auth import NatsCredentials
+from shared.schema import LoadRequest, LoadSnapshot
+from tests.e2e.mesh_process import UpProcess
+from tests.locked_nats import VIOLATION
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+MESSAGES = [{"role": "user", "content": "say something on a locked bus"}]
+NATS_LINE = re.compile(r"NATS with JetStream on (nats://\S+)")
+
+
+async def _probe(url: str, namespace: str) -> tuple[int, str]:
+    """(requests the worker finished, as the admin sees it; how an anonymous connection fared)."""
+    with pytest.raises(BusError, match="refused") as refused:
+        await Bus.connect(url, namespace, "stranger", NatsCredentials())
+    bus = await Bus.connect(url, namespace, "probe", admin_credentials())
+    try:
+        snapshot = await bus.request(bus.subjects.worker_load("sim-0"), LoadRequest(), LoadSnapshot)
+    finally:
+        await bus.close()
+    return snapshot.num_finished_total, str(refused.value)
+
+
+def _once_the_key_works(client: openai.OpenAI, timeout_s: float = 10.0):
+    """The first reply to a new key: metering puts it in the keys bucket and the edges see it (401 until then)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5)
+        except openai.AuthenticationError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def _mode(path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_up_runs_the_sim_mesh_locked_and_the_admin_cli_mints_a_key_on_it(tiny_model, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))  # secrets and the SQLite ledger, for up and the CLI
+    for var in NatsCredentials().env():
+        monkeypatch.delenv(var, raising=False)
+    namespace, port, state = "locked", free_port(), tmp_path / "state"
+    up = UpProcess(["--engine", "sim", "--workers", "1", "--model", "tiny", "--model-path", str(tiny_model),
+                    "--namespace", namespace, "--http-port", str(port), "--billing-port", str(free_port()),
+                    "--state-dir", str(state)])
+    up.start(timeout_s=120)
+    try:
+        (url,) = {m.group(1) for line in up.lines if (m := NATS_LINE.search(line))}
+        secrets_file = tmp_path / "data" / "infermesh" / SECRETS_FILE
+        secrets = json.loads(secrets_file.read_text())
+        assert set(secrets) == {"edge", "router", "admission", "breaker", "metering", "worker", "admin"}
+        assert _mode(secrets_file) == 0o600 and _mode(state / "nats" / "nats-server.json") == 0o600
+        command_lines = " ".join(" ".join(p.cmdline()) for p in up.descendants())
+        assert "services.edge" in command_lines and not any(s in command_lines for s in secrets.values())
+
+        assert cli.main(["teams", "create", "research"]) == 0
+        assert cli.main(["keys", "create", "--team", "research", "--nats-url", url, "--namespace", namespace]) == 0
+        key = capsys.readouterr().out.strip().splitlines()[-1]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+        reply = _once_the_key_works(client)
+        assert reply.usage.completion_tokens == 5
+        chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, stream=True))
+        assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) == 5
+
+        finished, refusal = asyncio.run(_probe(url, namespace))
+        assert finished == 2 and "authorization violation" in refusal.lower()
+    finally:
+        assert up.stop() == 0
+    logged = (state / "logs" / "nats.log").read_text()
+    assert "authentication error" in logged  # the stranger
+    assert [line for line in logged.splitlines() if VIOLATION.search(line) and "authentication" not in line] == []

@@ -1,0 +1,155 @@
+"""The locked bus's pure parts: credentials from the environment, the roles' permissions, secrets kept 0600."""
+
+from __future__ import annotations
+
+import json
+import stat
+
+import pytest
+
+from infermesh.bus_auth import SECRETS_FILE, admin_credentials, load_or_create_secrets, server_config, tls_files
+from infermesh.bus_roles import SERVICE_ROLES, Role, buckets, permissions
+from shared.config import BusConfig, load_config
+from shared.nats_auth import NatsCredentials
+from shared.subjects import Subjects
+
+S = Subjects("im")
+ALL = {role: permissions(role, S) for role in Role}
+
+
+def may_publish(role: Role, subject: str) -> bool:
+    """Whether a literal subject passes the role's allow list and no denial (NATS wildcard matching)."""
+    p = ALL[role]
+    return any(_matches(a, subject) for a in p.publish) and not any(_matches(d, subject) for d in p.deny_publish)
+
+
+def may_subscribe(role: Role, subject: str) -> bool:
+    p = ALL[role]
+    return any(_matches(a, subject) for a in p.subscribe) and not any(_matches(d, subject) for d in p.deny_subscribe)
+
+
+def _matches(pattern: str, subject: str) -> bool:
+    parts, tokens = pattern.split("."), subject.split(".")
+    for i, part in enumerate(parts):
+        if part == ">":
+            return len(tokens) > i
+        if i >= len(tokens) or (part != "*" and part != tokens[i]):
+            return False
+    return len(parts) == len(tokens)
+
+
+def roles_that(check, subject: str) -> set[Role]:
+    return {role for role in Role if check(role, subject)}
+
+
+@pytest.mark.parametrize("subject, writers", [
+    ("im.usage", {Role.EDGE}),
+    ("$KV.im_api_keys.abc", {Role.METERING}),
+    ("$KV.im_billing.spend.research", {Role.METERING}),
+    ("$KV.im_leases.leader", {Role.ADMISSION}),
+    ("$KV.im_workers.sim-0", {Role.WORKER}),
+    ("$KV.im_edges.e1", {Role.EDGE}),
+    ("$KV.im_sessions.s-1", {Role.ROUTER}),
+    ("$KV.im_breakers.sim-0", {Role.BREAKER, Role.ROUTER}),  # routers take half-open probe permits by CAS
+    ("im.worker.sim-0.generate", {Role.EDGE}),
+    ("im.worker.sim-0.abort", {Role.EDGE}),
+    ("im.metering.keys_changed", {Role.ADMIN}),
+    ("im.usage_dlq", {Role.METERING}),
+    ("im.orphans.sim-0", {Role.WORKER}),
+    ("im.stream.e1.r1", {Role.WORKER}),
+    ("$JS.API.STREAM.DELETE.KV_im_workers", set()),
+    ("$JS.API.STREAM.PURGE.im_usage", set()),
+    ("$JS.API.STREAM.UPDATE.KV_im_api_keys", set()),
+    ("$JS.API.STREAM.MSG.DELETE.KV_im_billing", set()),
+    ("$JS.API.STREAM.CREATE.KV_im_api_keys", {Role.ADMIN}),  # provisioning only
+])
+def test_each_write_belongs_to_the_roles_that_own_it(subject, writers):
+    assert roles_that(may_publish, subject) == writers
+
+
+@pytest.mark.parametrize("subject, readers", [
+    ("im.stream.e1.r1", {Role.EDGE}),
+    ("im.worker.sim-0.generate", {Role.WORKER}),
+    ("im.router.route", {Role.ROUTER}),
+    ("im.admission.acquire", {Role.ADMISSION}),
+    ("im.outcome.sim-0", {Role.BREAKER}),
+    ("im.metering.keys_changed", {Role.METERING}),
+    ("_INBOX.edge.abc.1", {Role.EDGE}),
+    ("_INBOX.abc", set()),
+])
+def test_each_subscription_belongs_to_the_roles_that_own_it(subject, readers):
+    assert roles_that(may_subscribe, subject) == readers
+
+
+def test_every_role_reads_replies_only_on_its_own_inbox_and_answers_only_when_it_serves_requests():
+    for role, p in ALL.items():
+        inboxes = [s for s in p.subscribe if s.startswith("_INBOX")]
+        assert inboxes == [f"_INBOX.{role}.>"]
+        assert not any(s.startswith("_INBOX") for s in p.publish)
+    assert {r for r, p in ALL.items() if p.responds} == {Role.EDGE, Role.ROUTER, Role.ADMISSION, Role.WORKER}
+    assert set(SERVICE_ROLES.values()) == set(Role) - {Role.ADMIN}
+    assert len(buckets(S)) == len(set(buckets(S)))
+
+
+def test_credentials_travel_in_env_vars_that_the_service_configs_read():
+    credentials = NatsCredentials("edge", "s3cret", tls_ca="/ca.pem")
+    env = credentials.env()
+    assert NatsCredentials.from_env(env) == credentials
+    assert load_config(BusConfig, [], env).credentials() == credentials
+    assert "s3cret" not in repr(credentials) and "s3cret" not in repr(load_config(BusConfig, [], env))
+    assert NatsCredentials.from_env({}) == NatsCredentials()  # none: an open server
+
+
+def test_connect_options_name_the_users_inbox_and_turn_tls_on_for_tls_urls_or_a_ca(tmp_path):
+    assert NatsCredentials().connect_options("nats://h:1") == {"inbox_prefix": "_INBOX"}
+    options = NatsCredentials("worker", "pw").connect_options("nats://h:1")
+    assert options == {"inbox_prefix": "_INBOX.worker", "user": "worker", "password": "pw"}
+    assert "tls" in NatsCredentials("worker", "pw").connect_options("tls://h:1")
+    assert NatsCredentials(creds_file="/x.creds").connect_options("nats://h:1")["user_credentials"] == "/x.creds"
+
+
+@pytest.mark.parametrize("fields", [{"password": "pw"}, {"user": "a", "creds_file": "/x"}, {"tls_cert": "/c"},
+                                    {"user": "a.b"}])
+def test_credentials_that_cannot_work_are_refused_at_once(fields):
+    with pytest.raises(ValueError):
+        NatsCredentials(**fields)
+
+
+def test_secrets_are_made_once_readable_by_this_user_only_and_reused(tmp_path):
+    first = load_or_create_secrets(tmp_path / "data")
+    path = tmp_path / "data" / SECRETS_FILE
+    assert set(first) == set(Role) and len(set(first.values())) == len(Role)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert load_or_create_secrets(tmp_path / "data") == first
+    stored = json.loads(path.read_text())
+    del stored["worker"]  # a role added since: it gets a secret, the others keep theirs
+    path.write_text(json.dumps(stored))
+    path.chmod(0o644)
+    again = load_or_create_secrets(tmp_path / "data")
+    assert again[Role.WORKER] != first[Role.WORKER] and again[Role.EDGE] == first[Role.EDGE]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_the_admin_cli_uses_the_env_credentials_else_the_stored_admin_else_none(tmp_path, monkeypatch):
+    for var in NatsCredentials().env():
+        monkeypatch.delenv(var, raising=False)
+    assert admin_credentials(tmp_path) == NatsCredentials()
+    secrets = load_or_create_secrets(tmp_path)
+    assert admin_credentials(tmp_path) == NatsCredentials("admin", secrets[Role.ADMIN])
+    monkeypatch.setenv("INFERMESH_NATS_USER", "ops")
+    monkeypatch.setenv("INFERMESH_NATS_PASSWORD", "theirs")
+    assert admin_credentials(tmp_path) == NatsCredentials("ops", "theirs")
+
+
+def test_the_server_config_has_a_user_per_role_and_tls_when_asked(tmp_path):
+    secrets = load_or_create_secrets(tmp_path)
+    config = server_config(4222, tmp_path / "js", S, secrets)
+    users = {u["user"]: u for u in config["authorization"]["users"]}  # type: ignore[index]
+    assert set(users) == {r.value for r in Role} and users["edge"]["password"] == secrets[Role.EDGE]
+    assert config["listen"] == "127.0.0.1:4222" and "tls" not in config
+    tls = tls_files("cert.pem", "key.pem", "ca.pem")
+    assert tls is not None and tls.cert.startswith("/")
+    assert server_config(4222, tmp_path, S, secrets, tls)["tls"]["cert_file"] == tls.cert  # type: ignore[index]
+    assert tls_files() is None
+    with pytest.raises(SystemExit):
+        tls_files(cert="cert.pem")
