@@ -147,7 +147,7 @@ class MeteringService:
             finally:
                 self.writer_tasks.pop(writer, None)
                 self._writing.pop(writer, None)
-            if self._stopping.is_set() and not task.cancelled() and task.exception() is None:
+            if self._stopping.is_set():  # it finished its batch (or died during the stop): nothing to restart
                 return
             if time.monotonic() - started >= WRITER_STABLE_S:
                 delay = self.config.writer_restart_s
