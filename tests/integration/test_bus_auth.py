@@ -329,3 +329,27 @@ async def test_tls_clients_that_trust_the_ca_connect_and_others_are_refused(tmp_
                                max_reconnect_attempts=0, connect_timeout=2)
     finally:
         server.stop()
+
+
+async def test_up_starts_nats_locked_over_tls_and_reuses_the_secrets_next_time(tmp_path, namespace):
+    from infermesh.bus_auth import start_locked_nats
+    from infermesh.processes import ProcessGroup
+
+    tls = make_tls(tmp_path / "tls")
+    seen: list[dict] = []
+    for start in range(2):
+        group = ProcessGroup(tmp_path / f"logs-{start}")
+        try:
+            url = await asyncio.to_thread(start_locked_nats, group, tmp_path / f"state-{start}", namespace, tls,
+                                          tmp_path / "data")
+            assert url.startswith("tls://")
+            seen.append({role: c.password for role, c in group.bus_credentials.items()})
+            bus = await Bus.connect(url, namespace, "edge-probe", group.bus_credentials["edge"])
+            try:  # provisioned before any service: the edge finds the bucket it only reads
+                await (await bus.js.key_value(bus.subjects.api_keys_bucket)).watchall()
+            finally:
+                await bus.close()
+            assert "Violation" not in (group.log_dir / "nats.log").read_text()
+        finally:
+            await asyncio.to_thread(group.stop)
+    assert seen[0] == seen[1] and set(seen[0]) == {role.value for role in Role}
