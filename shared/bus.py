@@ -49,6 +49,8 @@ class Bus:
         self.js = nc.jetstream()
         self.refusals: deque[str] = deque(maxlen=100)  # the server's permission violations (Bus.connect fills it)
         self._reconnect: Callable[[str], Awaitable["Bus"]] | None = None
+        # called after the client reconnected (NATS restarted, a network blip): what was in flight may be lost
+        self.on_reconnected: list[Callable[[], None]] = []
 
     async def connect_again(self, name: str) -> "Bus":
         """A second connection like this one (same server, namespace and credentials), e.g. for a thread."""
@@ -76,10 +78,17 @@ class Bus:
                 refusals.append(str(exc))
             log.warning("NATS (%s as %s): %s", name, credentials.user or "anonymous", exc)
 
+        listeners: list[Callable[[], None]] = []
+
+        async def on_reconnected() -> None:
+            log.warning("NATS (%s): reconnected", name)
+            for listener in list(listeners):
+                listener()
+
         nc = NatsClient()
         connecting = asyncio.ensure_future(nc.connect(
             url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5,
-            error_cb=on_error, **credentials.connect_options(url)))
+            error_cb=on_error, reconnected_cb=on_reconnected, **credentials.connect_options(url)))
         await asyncio.wait([connecting, refused], return_when=asyncio.FIRST_COMPLETED)
         if not connecting.done():
             connecting.cancel()
@@ -89,6 +98,7 @@ class Bus:
         connecting.result()
         bus = cls(nc, Subjects(namespace))
         bus.refusals = refusals
+        bus.on_reconnected = listeners
         bus._reconnect = lambda again: cls.connect(url, namespace, again, credentials)
         return bus
 
@@ -193,6 +203,7 @@ class TokenStream:
         self._timeout_s = first_timeout_s
         self.deadline = time.monotonic() + first_timeout_s
         self.done = False
+        self._why = ""  # what shortened the deadline, if anything
 
     def _deliver(self, message: StreamMessage) -> None:
         if self.done:
@@ -203,7 +214,7 @@ class TokenStream:
                 f"token stream from {message.source_id} lost messages {self._expected_seq}..{message.seq - 1}",
             )
         self._expected_seq = message.seq + 1
-        self._timeout_s = self._idle_timeout_s
+        self._timeout_s, self._why = self._idle_timeout_s, ""
         self.deadline = time.monotonic() + self._idle_timeout_s
         self._queue.put_nowait(message)
 
@@ -213,9 +224,16 @@ class TokenStream:
             self.deadline = float("inf")
             self._queue.put_nowait(StreamError(self.worker_id, 0, schema.now(), self.request_id, code, message))
 
+    def expect_within(self, seconds: float, why: str) -> None:
+        """Something may have cut the stream (``why``): unless a message arrives within ``seconds``, it failed."""
+        if not self.done and time.monotonic() + seconds < self.deadline:
+            self.deadline = time.monotonic() + seconds
+            self._timeout_s, self._why = seconds, why
+
     def expire(self, now: float) -> None:
         if not self.done and now > self.deadline:
-            self.fail("timeout", f"no message from worker {self.worker_id} for {self._timeout_s}s")
+            why = f" ({self._why})" if self._why else ""
+            self.fail("timeout", f"no message from worker {self.worker_id} for {self._timeout_s}s{why}")
 
     async def next(self) -> StreamMessage:
         message = self._queue.get_nowait() if not self._queue.empty() else await self._queue.get()
@@ -227,8 +245,9 @@ class TokenStream:
 class StreamReceiver:
     """One wildcard subscription that feeds every open TokenStream of an edge, and expires idle ones."""
 
-    def __init__(self, bus: Bus, edge_id: str, sweep_s: float = 0.05) -> None:
+    def __init__(self, bus: Bus, edge_id: str, sweep_s: float = 0.05, reconnect_grace_s: float = 5.0) -> None:
         self._bus = bus
+        self._reconnect_grace_s = reconnect_grace_s
         self._prefix = bus.subjects.stream_prefix(edge_id)
         self._streams: dict[str, TokenStream] = {}
         self._sub: Any = None
@@ -238,6 +257,14 @@ class StreamReceiver:
     async def start(self) -> None:
         self._sub = await self._bus.nc.subscribe(self._prefix + ".*", cb=self._on_message)
         self._sweeper = asyncio.create_task(self._sweep(), name="stream-timeouts")
+        self._bus.on_reconnected.append(self._after_reconnect)
+
+    def _after_reconnect(self) -> None:
+        """Messages a worker sent while this edge was away, or before its subscription was back, are gone: a
+        stream that hears nothing within the grace has lost its end, and fails instead of waiting out its
+        deadline (60 s, 300 s before the first token)."""
+        for stream in list(self._streams.values()):
+            stream.expect_within(self._reconnect_grace_s, "the bus reconnected: its messages may be lost")
 
     async def stop(self) -> None:
         if self._sweeper is not None:

@@ -140,7 +140,7 @@ class EdgeMesh:
     async def start(self) -> None:
         self.directory.on_added.append(self._on_worker_added)
         self.directory.on_removed.append(self._on_worker_removed)
-        pass  # TMP
+        self.directory.on_restarted.append(self._on_worker_restarted)
         await self.receiver.start()
         await self.breakers.start()
         await ensure_usage_stream(self.bus)
@@ -186,7 +186,9 @@ class EdgeMesh:
             task = asyncio.create_task(asyncio.to_thread(ModelTokenizer, info.tokenizer))
             self._loading[info.tokenizer] = task
         try:
-            loaded = await task
+            # shielded: the load is shared, and a waiter that is cancelled (its client left) would cancel it for
+            # every other waiter, and for good (a cancelled task stayed in _loading: the edge never became ready)
+            loaded = await asyncio.shield(task)
         except Exception as exc:
             self._loading.pop(info.tokenizer, None)
             raise errors.service_unavailable(f"cannot load the tokenizer of {info.model!r}: {exc}") from exc

@@ -154,6 +154,34 @@ async def test_a_sigstopped_worker_is_dropped_within_its_ttl_and_its_stream_fail
         await mesh.stop()
 
 
+async def test_a_worker_restarted_under_its_id_within_its_ttl_fails_the_old_streams_at_once(nats_url, namespace,
+                                                                                           tiny_model):
+    """As ``infermesh up``'s supervisor does: the worker is SIGKILLed and back under the same id within its TTL,
+    so its key never lapses; its old stream must fail (it would otherwise wait out the inter-token deadline)."""
+    mesh = LocalMesh(nats_url, namespace)
+    await mesh.start_router()
+    await mesh.start_edge()
+    procs = sim_worker_processes(nats_url, namespace, tiny_model, ("sim-r",), ttl_s=10, itl_ms=50)
+    try:
+        await eventually(lambda: len(mesh.edge.mesh.directory.live()) == 1 and mesh.edge.mesh.is_ready(), 30)
+        client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key=mesh.dev_key, max_retries=0)
+        stream = await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=200, stream=True)
+        await stream.__anext__()
+        procs["sim-r"].send_signal(signal.SIGKILL)
+        procs["sim-r"].wait(10)
+        killed_at = time.monotonic()
+        procs.update(sim_worker_processes(nats_url, namespace, tiny_model, ("sim-r",), ttl_s=10, itl_ms=50))
+        with pytest.raises(openai.APIError, match="restarted"):
+            async for _chunk in stream:
+                pass
+        assert time.monotonic() - killed_at < 10  # the new incarnation's first beat, not the TTL or a deadline
+        reply = await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3)
+        assert reply.choices[0].finish_reason == "length"
+    finally:
+        stop_processes(procs)
+        await mesh.stop()
+
+
 async def test_killing_a_sessions_decoder_repins_the_next_turn_with_no_client_error(nats_url, namespace, tiny_model):
     mesh = LocalMesh(nats_url, namespace)
     router = await mesh.start_router()

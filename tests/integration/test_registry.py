@@ -139,3 +139,30 @@ async def test_a_worker_whose_loop_hangs_past_the_stall_limit_is_dropped_and_pin
     await asyncio.to_thread(worker.run, worker_bus.close())
     worker.close()
     await directory.stop()
+
+
+async def test_a_worker_back_under_its_id_before_its_entry_lapsed_is_seen_as_restarted(buses):
+    """A supervisor restarts a SIGKILLed worker within its TTL: the key never lapses, but the new incarnation's
+    ``started_at`` differs, and whatever the old one was doing is lost."""
+    worker_bus, watcher_bus = buses
+    directory = WorkerDirectory(watcher_bus)
+    await directory.start()
+    restarted: list[str] = []
+    removed: list[str] = []
+    directory.on_restarted.append(restarted.append)
+    directory.on_removed.append(removed.append)
+    first = _info("w-again", 5)
+    old = WorkerRegistration(worker_bus, lambda: first, heartbeat_s=0.5, ttl_s=5)
+    await old.start()
+    await eventually(lambda: "w-again" in directory.workers, 2)
+    await asyncio.sleep(0.6)  # a few beats of the same incarnation: not a restart
+    assert restarted == []
+    await old.halt()  # SIGKILL: no deregistration
+    second = WorkerInfo("w-again", "both", "m", "sim", 16, 100, 1024, "/tok", heartbeat_ttl_s=5,
+                        started_at=first.started_at + 1, ts=time.time())
+    new = WorkerRegistration(worker_bus, lambda: second, heartbeat_s=0.5, ttl_s=5)
+    await new.start()
+    await eventually(lambda: restarted == ["w-again"], 2)
+    assert removed == [] and directory.workers["w-again"].started_at == second.started_at
+    await new.stop()
+    await directory.stop()
