@@ -7,6 +7,7 @@ Edges ask for admission leases when the mesh runs an admission service (start it
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -39,6 +40,7 @@ class LocalMesh:
     admissions: list[AdmissionService] = field(default_factory=list)
     meterings: list[MeteringService] = field(default_factory=list)
     credentials: dict[str, NatsCredentials] = field(default_factory=dict)  # role -> its credentials (locked bus)
+    edge_secret: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)  # one for every edge
 
     @property
     def router(self) -> RouterService | None:
@@ -86,6 +88,7 @@ class LocalMesh:
 
     async def start_edge(self, **options: object) -> EdgeService:
         options.setdefault("admission", bool(self.admissions))  # edges ask for leases when admission runs
+        options.setdefault("edge_secret", self.edge_secret)  # any edge bills the orphans of another
         config = self._config(EdgeConfig, dev_key=self.dev_key, http_port=0, **options)
         return await self._start("edge", self.edges, lambda bus: EdgeService(config, bus))
 
