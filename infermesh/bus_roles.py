@@ -130,7 +130,9 @@ def _grants(role: Role, s: Subjects) -> tuple[tuple[str, ...], tuple[str, ...], 
                 (s.route, f"{ns}.router.*.explain", s.route_decisions, s.kv_events_all, s.load_all),
                 frozenset({s.breakers_bucket, s.sessions_bucket}), True)
     if role is Role.ADMISSION:
-        return ((*kv_reads(s.workers_bucket), *kv_reads(s.billing_bucket), *kv_writes(s.leases_bucket)),
+        # the usage stream's last sequence: how far the ledger must get before a lapsed lease's hold clears
+        return ((*kv_reads(s.workers_bucket), *kv_reads(s.billing_bucket), *kv_writes(s.leases_bucket),
+                 f"{JS}.STREAM.INFO.{s.usage_stream}"),
                 (f"{ns}.admission.*",), frozenset({s.leases_bucket}), True)
     if role is Role.BREAKER:
         return ((s.breaker_transitions, *kv_reads(s.workers_bucket), *kv_writes(s.breakers_bucket)),

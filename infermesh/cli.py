@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--nats-tls-key", default="", help="... its private key (PEM)")
     up.add_argument("--nats-tls-ca", default="", help="... the CA the services check it with (default: the system's)")
     up.add_argument("--namespace", default="im")
+    up.add_argument("--router-replicas", type=int, default=2, help="router processes (they agree; one may die)")
+    up.add_argument("--admission-replicas", type=int, default=2, help="admission processes (a leader, standbys)")
     up.add_argument("--max-model-len", type=int, default=8192)
     up.add_argument("--kv-cache-gib", type=float, default=1.0, help="vLLM CPU KV cache per worker")
     up.add_argument("--sim-ttft-ms", type=float, default=20.0)
@@ -107,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             sim_clock_factor=args.sim_clock_factor, sim_stream_interval=args.sim_stream_interval,
             sim_engines_per_process=args.sim_engines_per_process, database_url=args.database_url,
             billing_port=args.billing_port, pd=args.pd, prefill_token_budget=args.prefill_token_budget,
-            decode_token_budget=args.decode_token_budget,
+            decode_token_budget=args.decode_token_budget, router_replicas=args.router_replicas,
+            admission_replicas=args.admission_replicas,
         )
         return run_mesh(options)
     return 2

@@ -32,6 +32,10 @@ class MeshOptions:
     host: str = "127.0.0.1"
     http_port: int = 8000
     nats_url: str = ""
+    # replicas of the stateless deciders: a router that dies leaves its queue group to the other; a standby
+    # admission takes the leader key within its TTL and restores the leases and budget holds
+    router_replicas: int = 2
+    admission_replicas: int = 2
     nats_tls_cert: str = ""  # TLS on the NATS that up starts: its certificate, key, and the CA clients trust
     nats_tls_key: str = ""
     nats_tls_ca: str = ""
@@ -88,6 +92,8 @@ class MeshOptions:
         if self.sim_engines_per_process < 1 or self.sim_stream_interval < 1 or self.sim_clock_factor <= 0:
             raise SystemExit("--sim-engines-per-process and --sim-stream-interval must be >= 1, "
                              "--sim-clock-factor > 0")
+        if self.router_replicas < 1 or self.admission_replicas < 1:
+            raise SystemExit("--router-replicas and --admission-replicas must be >= 1")
         if self.engine == "vllm" and self.total_workers > 2:
             raise SystemExit("at most two vLLM CPU engines run on this machine; use --engine sim for fleets")
 
@@ -186,9 +192,11 @@ def start_processes(group: ProcessGroup, options: MeshOptions, model_path: str, 
                                      tls_files(options.nats_tls_cert, options.nats_tls_key, options.nats_tls_ca))
         _say(f"NATS with JetStream on {nats_url} (locked: a user per service role, secrets in {data_dir()})")
     env = {"INFERMESH_NATS_URL": nats_url, "INFERMESH_NAMESPACE": options.namespace}
-    group.python_service("router", "services.router", [], env)
+    for i in range(options.router_replicas):
+        group.python_service(f"router-{i}", "services.router", ["--router-id", f"router-{i}"], env)
     group.python_service("breaker", "services.breaker", [], env)
-    group.python_service("admission", "services.admission", [], env)
+    for i in range(options.admission_replicas):
+        group.python_service(f"admission-{i}", "services.admission", ["--admission-id", f"admission-{i}"], env)
     metering_args = ["--billing-host", options.host, "--billing-port", str(options.billing_port)]
     if options.database_url:
         metering_args += ["--database-url", options.database_url]

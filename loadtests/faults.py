@@ -56,6 +56,7 @@ class Mesh:
         self.popen = subprocess.Popen(argv, env={**os.environ, "INFERMESH_DEV_KEY": KEY}, stdout=self.log,
                                       stderr=subprocess.STDOUT)
         self.workers = workers
+        self.state = state
 
     def ready(self) -> bool:
         try:
@@ -75,8 +76,17 @@ class Mesh:
             await asyncio.sleep(0.1)
         return time.monotonic() - start
 
+    def admission_leader(self) -> str:
+        """The ``--admission-id`` of the replica that said last that it leads (and has not stepped down since)."""
+        for log in sorted((self.state / "logs").glob("admission-*.log")):
+            events = [line for line in log.read_text(errors="replace").splitlines()
+                      if "is the leader" in line or "steps down" in line]
+            if events and "is the leader" in events[-1]:
+                return log.stem
+        raise RuntimeError("no admission replica says it leads")
+
     def process(self, fault: str) -> psutil.Process:
-        marker = FAULTS[fault]
+        marker = f"--admission-id {self.admission_leader()}" if fault == "admission" else FAULTS[fault]
         for child in sorted(psutil.Process(self.popen.pid).children(recursive=True), key=lambda p: p.pid):
             try:
                 if marker in " ".join(child.cmdline()):

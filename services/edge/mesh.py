@@ -245,8 +245,13 @@ class EdgeMesh:
         try:
             reply = await self.bus.request(self.bus.subjects.route, request, RouteReply,
                                            timeout=self.config.route_timeout_s)
-        except BusError as exc:
-            raise errors.service_unavailable(f"the router is unavailable: {exc}", "router_unavailable") from exc
+        except BusError as first:  # a replica that died with the request: the queue group has others
+            log.warning("route %s: %s; asking again", request.request_id, first)
+            try:
+                reply = await self.bus.request(self.bus.subjects.route, request, RouteReply,
+                                               timeout=self.config.route_timeout_s)
+            except BusError as exc:
+                raise errors.service_unavailable(f"the router is unavailable: {exc}", "router_unavailable") from exc
         if isinstance(reply, RouteDecision):
             return reply
         if reply.code == "model_not_found":

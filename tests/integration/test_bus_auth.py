@@ -16,6 +16,7 @@ import pytest_asyncio
 from nats.js.api import StreamConfig
 
 from infermesh.bus_roles import Role
+from services.admission.store import LeaseStore
 from services.affinity.store import SessionStore
 from services.edge.keys import KeyDirectory, hash_key
 from services.metering.sync import BusViews
@@ -211,8 +212,10 @@ async def test_leases_and_lease_replies_are_admissions_alone(locked):
     await admission.nc.subscribe(s.admission_acquire, cb=grant)
     await admission.nc.flush()
     assert (await edge.nc.request(s.admission_acquire, b"lease?", timeout=2)).data == b"granted"
-    await ensure_bucket(admission, s.leases_bucket)
+    leases = await ensure_bucket(admission, s.leases_bucket)
     await admission.js.publish(f"$KV.{s.leases_bucket}.l-1", b"lease", timeout=2)
+    # how far the ledger must get before a lapsed lease's budget hold clears (services/admission/store.py)
+    assert await LeaseStore(admission, leases).usage_last_seq() is not None
     assert locked.violations() == []
     await refused_put(locked, worker, f"$KV.{s.leases_bucket}.l-forged")
     await refused_put(locked, edge, f"$KV.{s.leases_bucket}.leader")
