@@ -1,5 +1,5 @@
-"""``infermesh up`` supervises its processes: a SIGKILLed worker, then the edge, come back and serve; SIGTERM
-stops everything with no restart and no orphan."""
+"""``infermesh up`` supervises its processes: a SIGKILLed worker, then the edge, then nats-server come back
+and the mesh serves again; SIGTERM stops everything with no restart and no orphan."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import openai
 import psutil
 import pytest
 
+from infermesh.bus_auth import admin_credentials
 from infermesh.processes import free_port
 from shared.bus import Bus
 from shared.registry import workers_bucket
@@ -56,17 +57,19 @@ async def chat_ok(client: openai.AsyncOpenAI, n: int) -> None:
         assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 4
 
 
-async def test_up_restarts_a_killed_worker_and_edge_and_sigterm_stops_every_child(tiny_model, tmp_path):
+async def test_up_restarts_a_killed_worker_edge_and_nats_and_sigterm_stops_every_child(tiny_model, tmp_path,
+                                                                                   monkeypatch):
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))  # the locked bus's secrets and the ledger
     port, namespace = free_port(), "sup"
     up = UpProcess(["--engine", "sim", "--workers", "2", "--model", "tiny", "--model-path", str(tiny_model),
                     "--namespace", namespace, "--http-port", str(port), "--billing-port", str(free_port()),
-                    "--state-dir", str(tmp_path)])  # its own nats-server, supervised like the rest
+                    "--state-dir", str(tmp_path / "state")])  # its own (locked) nats-server, supervised too
     up.start(timeout_s=90)
     bus = None
     try:
         (nats_url,) = {m.group(1) for line in up.lines if (m := re.search(r"JetStream on (nats://\S+)", line))}
-        bus = await Bus.connect(nats_url, namespace, "probe")
-        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=up.key, max_retries=0)
+        bus = await Bus.connect(nats_url, namespace, "probe", admin_credentials())
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=up.key, max_retries=0, timeout=20)
         await chat_ok(client, 2)
 
         worker = one_child(up, "services.worker", "sim-1")
@@ -87,7 +90,12 @@ async def test_up_restarts_a_killed_worker_and_edge_and_sigterm_stops_every_chil
         assert new_edge.pid != edge.pid
         await eventually(lambda: _ready_with(port, 2), 30)
         await chat_ok(client, 4)
-        assert not said(up, r"nats died|router died|worker-0 died")  # the others were never touched
+        assert not said(up, r"nats died|router-\d died|worker-0 died")  # the others were never touched
+
+        one_child(up, "nats-server").send_signal(signal.SIGKILL)  # the bus itself: every service reconnects
+        await eventually(lambda: said(up, r"nats restarted \(pid \d+\)"), 10)
+        await eventually(lambda: _serves(client), 30)
+        await chat_ok(client, 3)
     finally:
         if bus is not None:
             await bus.close()
@@ -100,6 +108,14 @@ async def test_up_restarts_a_killed_worker_and_edge_and_sigterm_stops_every_chil
 
 async def _newer(bus: Bus, worker_id: str, than: float) -> bool:
     return await registered_at(bus, worker_id) > than
+
+
+async def _serves(client: openai.AsyncOpenAI) -> bool:
+    try:
+        await chat_ok(client, 1)
+        return True
+    except openai.APIError:
+        return False
 
 
 def _ready_with(port: int, workers: int) -> bool:
