@@ -76,6 +76,26 @@ def write_report(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "faults.json").write_text(json.dumps(report, indent=2) + "\n")
     _plot(report["faults"], out / "faults.png")
+    (out / "table.md").write_text(markdown_table(report["faults"]))
+
+
+def markdown_table(faults: list[dict]) -> str:
+    """One row per fault, for docs/results/faults.md."""
+    head = ("| SIGKILLed | requests | ok | client errors by kind | hung | shown usage | billed | lost | doubled "
+            "| cut streams (billed) | first success after (s) | back after (s) |\n|" + "---|" * 12 + "\n")
+
+    def seconds(value: float | None) -> str:
+        return "never" if value is None else f"{value:.1f}"
+
+    rows = []
+    for f in faults:
+        errors = ", ".join(f"{kind} {n}" for kind, n in sorted(f["errors"].items())) or "none"
+        billed_cut = f["cut_streams"] - f["unbilled_cut_streams"]
+        rows.append(f"| {f['fault']} | {f['requests']} | {f['finished']} | {errors} | {f['hung']} | "
+                    f"{f['shown_usage']} | {f['billed']} | {f['lost']} | {f['doubled']} | "
+                    f"{f['cut_streams']} ({billed_cut}) | {seconds(f['first_success_s'])} | "
+                    f"{seconds(f['back_s'])} |")
+    return head + "\n".join(rows) + "\n"
 
 
 def _plot(faults: list[dict], path: Path) -> None:

@@ -56,6 +56,7 @@ class EdgeDirectory:
         self.edges: dict[str, EdgeInfo] = {}
         self.on_added: list[Callable[[str], None]] = []
         self.on_removed: list[Callable[[str], None]] = []
+        self.on_beat: list[Callable[[str], None]] = []  # every heartbeat of every edge
         self._watcher = None
         self._task: asyncio.Task[None] | None = None
         self._synced = asyncio.Event()
@@ -90,6 +91,8 @@ class EdgeDirectory:
         if is_new:
             for callback in self.on_added:
                 callback(info.edge_id)
+        for beat in self.on_beat:
+            beat(info.edge_id)
 
     def _on_delete(self, edge_id: str) -> None:
         if self.edges.pop(edge_id, None) is not None:

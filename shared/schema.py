@@ -393,6 +393,8 @@ class OrphanUsage(Struct, frozen=True, kw_only=True):
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     ttft_ms: float = 0.0  # from the worker receiving the request to its first token (0: none)
+    # "abort": aborted because its edge died; else it ended on its own just before its edge died, unbilled
+    finish_reason: FinishReason = "abort"
     ts: float = 0.0  # unix seconds: when the engine ended the request
 
 

@@ -61,15 +61,18 @@ def verify(secret: bytes, request_id: str, signed: SignedBilling) -> BillingCont
 
 
 def orphan_usage_event(report: OrphanUsage, context: BillingContext) -> UsageEvent:
-    """The usage the dead edge would have published: cancelled, with the counts the engine reported.
+    """The usage the dead edge would have published: cancelled (aborted as an orphan) or finished (it ended just
+    before its edge died), with the counts the engine reported.
 
     Cached tokens follow the edge's rule (services/edge/mesh.py): a remote prefill's hits when one computed
     the prompt (``prefill_cached_tokens``), else the reporting worker's own; a prefill bills no completion."""
     cached = report.num_cached_tokens if context.prefill_cached_tokens is None else context.prefill_cached_tokens
     completion = 0 if report.remote_decode else report.num_output_tokens  # a prefill's token was never sent
     duration_ms = max(0.0, 1000 * (report.ts - context.created_at)) if context.created_at else 0.0
+    status = "cancelled" if report.finish_reason == "abort" else "finished"
     return UsageEvent(
-        context.request_id, context.attempt, context.team, context.key_prefix, context.model, "cancelled", "abort",
+        context.request_id, context.attempt, context.team, context.key_prefix, context.model, status,
+        report.finish_reason,
         report.num_prompt_tokens, min(cached, report.num_prompt_tokens), completion,
         round(report.ttft_ms, 3), round(duration_ms, 3), context.worker_id, context.prefill_worker_id,
         context.trace_id, context.created_at)

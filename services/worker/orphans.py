@@ -14,6 +14,12 @@ orphans stream for a surviving edge to bill (``services/edge/orphans.py``).
 | pinged, answers                           | ping again ``grace_s`` later while it is out of the bucket|
 | pinged, silent                            | abort each of its running requests, once                  |
 
+A request that ends on its own is not proof that its edge billed it: the edge may die between the end
+message and its usage publish (a short request ends long before its edge's key lapses). So the report of
+each ended request is kept until its edge is seen beating ``settle_s`` after the end; an edge found silent
+meanwhile gets them reported too (``finish_reason`` as the engine ended them). A report the dead edge did
+bill costs nothing: it shares the dedupe id ``<request_id>:<attempt>`` with the edge's usage.
+
 ``OrphanTracker`` is the pure core (a fake clock in its tests); ``OrphanReaper`` wires it to the bus.
 """
 
@@ -28,7 +34,7 @@ from shared.bus import Bus
 from shared.edges import EdgeDirectory
 from shared.liveness import ping_edge
 from shared.orphans import OrphanPublisher, ensure_orphans_stream
-from shared.schema import GenerateRequest, OrphanUsage
+from shared.schema import FinishReason, GenerateRequest, OrphanUsage
 
 log = logging.getLogger("infermesh.worker")
 
@@ -39,9 +45,10 @@ class OrphanTracker:
     Invariants: ``probe_at`` only holds edges out of the bucket with running requests; an edge is in
     ``probing`` while one ping to it is in flight (never two); ``silent`` hands each request out once."""
 
-    def __init__(self, grace_s: float) -> None:
-        assert grace_s > 0
-        self.grace_s = grace_s
+    def __init__(self, grace_s: float, settle_s: float = 2.0) -> None:
+        assert grace_s > 0 and settle_s > 0
+        self.grace_s, self.settle_s = grace_s, settle_s
+        self._ended: dict[str, dict[str, tuple[float, object]]] = {}  # edge id -> request id -> (ended at, report)
         self.live: set[str] = set()
         self._requests: dict[str, set[str]] = {}  # edge id -> its running request ids
         self._edge_of: dict[str, str] = {}
@@ -63,8 +70,43 @@ class OrphanTracker:
         requests.discard(request_id)
         if not requests:
             del self._requests[edge_id]
+            self._forget_edge_if_idle(edge_id)
+
+    def _forget_edge_if_idle(self, edge_id: str) -> None:
+        if edge_id not in self._requests and edge_id not in self._ended:
             self._probe_at.pop(edge_id, None)
             self._abandoned.discard(edge_id)
+
+    def ended(self, request_id: str, report: object, now: float) -> bool:
+        """A request ended on its own: keep its report until its edge beats ``settle_s`` later. True: its edge
+        was already found dead, report it now."""
+        edge_id = self._edge_of.get(request_id)
+        if edge_id is None:
+            return False
+        if edge_id in self._abandoned:
+            self.untrack(request_id)
+            return True
+        self._ended.setdefault(edge_id, {})[request_id] = (now, report)
+        self.untrack(request_id)
+        return False
+
+    def edge_beat(self, edge_id: str, now: float) -> None:
+        """The edge is alive at ``now``: what ended ``settle_s`` before it was billed by the edge itself."""
+        ended = self._ended.get(edge_id)
+        if not ended:
+            return
+        for request_id in [r for r, (at, _) in ended.items() if at + self.settle_s <= now]:
+            del ended[request_id]
+        if not ended:
+            del self._ended[edge_id]
+            self._forget_edge_if_idle(edge_id)
+
+    def take_ended(self, edge_id: str) -> list[object]:
+        """The reports of a dead edge's ended requests, each handed out once."""
+        return [report for _at, report in sorted(self._ended.pop(edge_id, {}).values(), key=lambda e: e[0])]
+
+    def num_ended(self) -> int:
+        return sum(len(ended) for ended in self._ended.values())
 
     def edge_live(self, edge_id: str) -> None:
         self.live.add(edge_id)
@@ -72,7 +114,7 @@ class OrphanTracker:
 
     def edge_left(self, edge_id: str, now: float) -> None:
         self.live.discard(edge_id)
-        if edge_id in self._requests and edge_id not in self._abandoned:
+        if (edge_id in self._requests or edge_id in self._ended) and edge_id not in self._abandoned:
             self._probe_at[edge_id] = now
 
     def due(self, now: float) -> list[str]:
@@ -85,6 +127,7 @@ class OrphanTracker:
         self._probing.discard(edge_id)
         if edge_id in self._probe_at:
             self._probe_at[edge_id] = now + self.grace_s
+        self.edge_beat(edge_id, now)
 
     def silent(self, edge_id: str) -> list[str]:
         """The edge is dead: its running requests, to abort (an empty list if it came back meanwhile)."""
@@ -92,6 +135,8 @@ class OrphanTracker:
         if edge_id in self.live or self._probe_at.pop(edge_id, None) is None:
             return []
         self._abandoned.add(edge_id)
+        if edge_id not in self._requests:  # only ended ones: nothing more will come from this edge
+            self._abandoned.discard(edge_id)
         return sorted(self._requests.get(edge_id, ()))
 
     def edge_of(self, request_id: str) -> str | None:
@@ -118,6 +163,7 @@ class OrphanReaper:
     async def start(self) -> None:
         await ensure_orphans_stream(self.bus)
         self.directory.on_added.append(self.tracker.edge_live)
+        self.directory.on_beat.append(lambda edge_id: self.tracker.edge_beat(edge_id, time.monotonic()))
         self.directory.on_removed.append(lambda edge_id: self.tracker.edge_left(edge_id, time.monotonic()))
         await self.directory.start()
         self._sweeper = asyncio.create_task(self._sweep(), name="orphan-sweep")
@@ -162,13 +208,34 @@ class OrphanReaper:
         for request_id in doomed:
             self.orphaned.add(request_id)
             await self._abort(request_id)
+        ended = [] if edge_id in self.tracker.live else self.tracker.take_ended(edge_id)  # back meanwhile: it bills
+        if ended:
+            log.warning("edge %s is gone: reporting %d requests that ended since its last beat", edge_id, len(ended))
+        for report in ended:
+            await self._publish(report)  # type: ignore[arg-type]
+
+    def _usage(self, request: GenerateRequest, num_prompt: int, num_cached: int, num_output: int, ttft_ms: float,
+               finish_reason: FinishReason) -> OrphanUsage:
+        return OrphanUsage(
+            worker_id=self.worker_id, edge_id=self.tracker.edge_of(request.request_id) or "",
+            request_id=request.request_id, billing=request.billing, remote_decode=request.remote_decode,
+            num_prompt_tokens=num_prompt, num_cached_tokens=num_cached, num_output_tokens=num_output,
+            ttft_ms=ttft_ms, finish_reason=finish_reason, ts=time.time())
+
+    async def _publish(self, usage: OrphanUsage) -> None:
+        self.stats["reported"] += 1
+        await self.publisher.publish(usage)
 
     async def report(self, request: GenerateRequest, num_prompt: int, num_cached: int, num_output: int,
                      ttft_ms: float) -> None:
         """Publish what an orphaned request generated, as the engine reported it at its end."""
-        edge_id = self.tracker.edge_of(request.request_id) or ""
-        self.stats["reported"] += 1
-        await self.publisher.publish(OrphanUsage(
-            worker_id=self.worker_id, edge_id=edge_id, request_id=request.request_id, billing=request.billing,
-            remote_decode=request.remote_decode, num_prompt_tokens=num_prompt, num_cached_tokens=num_cached,
-            num_output_tokens=num_output, ttft_ms=ttft_ms, ts=time.time()))
+        await self._publish(self._usage(request, num_prompt, num_cached, num_output, ttft_ms, "abort"))
+
+    async def ended(self, request: GenerateRequest, num_prompt: int, num_cached: int, num_output: int,
+                    ttft_ms: float, finish_reason: FinishReason) -> None:
+        """A request ended on its own: its report is kept until its edge proves it lived on (see the table)."""
+        if request.billing is None:
+            return  # nothing any edge could bill
+        usage = self._usage(request, num_prompt, num_cached, num_output, ttft_ms, finish_reason)
+        if self.tracker.ended(request.request_id, usage, time.monotonic()):
+            await self._publish(usage)

@@ -143,6 +143,9 @@ class WorkerService:
                                      out.kv_transfer)
                     if request.request_id in self.orphans.orphaned:
                         await self.orphans.report(request, num_prompt, out.num_cached_tokens, num_output, ttft_ms)
+                    else:
+                        await self.orphans.ended(request, num_prompt, out.num_cached_tokens, num_output, ttft_ms,
+                                                 out.finish_reason)
                     span.set_attributes({"infermesh.finish_reason": out.finish_reason,
                                          "infermesh.num_cached_tokens": out.num_cached_tokens,
                                          "infermesh.num_output_tokens": num_output})

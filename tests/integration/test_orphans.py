@@ -90,6 +90,50 @@ async def test_a_dead_edges_request_is_aborted_and_reported_with_what_it_generat
     await receiver.stop()
 
 
+async def test_a_request_that_ended_just_before_its_edge_died_is_reported_for_billing(worker, bus):
+    """The edge got the end message and died before publishing the usage (a short request ends long before
+    its edge's key lapses): the worker kept the report and hands it in once the edge is found silent."""
+    registration = await edge_registration(bus, "e-ends", heartbeat_s=0.2, ttl_s=1)
+    await eventually(lambda: "e-ends" in worker.orphans.directory.edges, 2)
+    receiver = StreamReceiver(bus, "e-ends")
+    await receiver.start()
+    stream = receiver.open("req1", "w-orph")
+    await bus.publish(bus.subjects.worker_generate("w-orph"),
+                      GenerateRequest("req1", "sim-model", list(range(3, 40)), SamplingParams(max_tokens=5),
+                                      billing=sign(SECRET, "req1", CONTEXT)),
+                      reply=receiver.subject("req1"))
+    while not isinstance(end := await stream.next(), StreamEnd):
+        pass
+    await registration.halt()  # dies before billing it
+    assert end.finish_reason == "length"
+    await eventually(lambda: worker.orphans.stats["reported"] == 1, 1 + 0.5 + 3)
+    (report,) = await orphan_reports(bus)
+    assert (report.request_id, report.finish_reason, report.num_output_tokens) == ("req1", "length", 5)
+    event = orphan_usage_event(report, CONTEXT)
+    assert (event.status, event.finish_reason, event.completion_tokens) == ("finished", "length", 5)
+    await receiver.stop()
+
+
+async def test_a_request_that_ended_while_its_edge_lived_on_is_not_reported(worker, bus):
+    registration = await edge_registration(bus, "e-lives", heartbeat_s=0.2, ttl_s=1)
+    await eventually(lambda: "e-lives" in worker.orphans.directory.edges, 2)
+    receiver = StreamReceiver(bus, "e-lives")
+    await receiver.start()
+    stream = receiver.open("req2", "w-orph")
+    await bus.publish(bus.subjects.worker_generate("w-orph"),
+                      GenerateRequest("req2", "sim-model", list(range(3, 40)), SamplingParams(max_tokens=5),
+                                      billing=sign(SECRET, "req2", CONTEXT)),
+                      reply=receiver.subject("req2"))
+    while not isinstance(await stream.next(), StreamEnd):
+        pass
+    await eventually(lambda: worker.orphans.tracker.num_ended() == 0, worker.orphans.tracker.settle_s + 2)
+    await registration.halt()  # dies later: what ended before its last beats was its own to bill
+    await eventually(lambda: "e-lives" not in worker.orphans.directory.edges, 1 + 2)
+    # nothing of the edge is left to bill, so it is not even pinged
+    assert worker.orphans.stats["pings"] == worker.orphans.stats["reported"] == 0 and await orphan_reports(bus) == []
+    await receiver.stop()
+
+
 async def test_a_live_edge_out_of_the_bucket_keeps_its_requests(worker, bus):
     registration = await edge_registration(bus, "e-lapsed", heartbeat_s=5, ttl_s=10)
     await eventually(lambda: "e-lapsed" in worker.orphans.directory.edges, 2)

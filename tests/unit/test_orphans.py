@@ -94,3 +94,36 @@ def test_the_edge_of_a_stream_subject(subject, edge):
 def test_the_parser_inverts_the_stream_subject():
     s = Subjects("ns")
     assert s.edge_of_stream(s.stream("e7", "abc")) == "e7"
+
+
+# ---------------------------------------------------------------- requests that ended just before their edge died
+def test_a_request_that_ended_is_dropped_once_its_edge_beats_settle_s_later():
+    tracker = tracker_with(("r1", "e1"), live=("e1",))
+    assert tracker.ended("r1", "report-r1", now=10.0) is False
+    tracker.edge_beat("e1", now=10.0 + tracker.settle_s - 0.1)
+    assert tracker.num_ended() == 1  # not yet: the edge may still die before its usage is out
+    tracker.edge_beat("e1", now=10.0 + tracker.settle_s)
+    assert tracker.num_ended() == 0
+    tracker.edge_left("e1", now=20.0)
+    assert tracker.due(20.0) == []  # nothing of it left to bill: no ping
+
+
+def test_a_request_that_ended_before_its_edge_died_is_reported_when_the_edge_is_found_silent():
+    """The edge died between the end message and its usage publish: 40 tokens end in 0.4 s, its key lapses 5 s
+    later. Before, such a request was billed by nobody."""
+    tracker = tracker_with(("r1", "e1"), ("r2", "e1"), live=("e1",))
+    tracker.ended("r1", "report-r1", now=1.0)
+    tracker.edge_left("e1", now=6.0)  # no beat since the end
+    assert tracker.due(6.0) == ["e1"]
+    assert tracker.silent("e1") == ["r2"]  # the running one is aborted (and reported when it ends)
+    assert tracker.take_ended("e1") == ["report-r1"] and tracker.take_ended("e1") == []
+    assert tracker.ended("r2", "report-r2", now=7.0) is True  # its edge is known dead: report at once
+
+
+def test_an_edge_with_only_ended_requests_is_pinged_when_it_leaves_and_forgotten_when_it_answers():
+    tracker = tracker_with(("r1", "e1"), live=("e1",))
+    tracker.ended("r1", "report-r1", now=1.0)
+    tracker.edge_left("e1", now=2.0)
+    assert tracker.due(2.0) == ["e1"]
+    tracker.answered("e1", now=2.0 + tracker.settle_s)  # alive after the end: it billed it itself
+    assert tracker.num_ended() == 0 and tracker.due(100.0) == []
