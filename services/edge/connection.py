@@ -11,7 +11,7 @@ header size, so a client that sends its headers slowly, or forever, holds a conn
 | first byte (or of the connection, before any byte)            |                                      |
 
 and a lingering close: when the edge answers before the request's body arrived (401, 413, 408, see
-http.py) and closes, closing at once with unread bytes makes the kernel reset the connection, and the
+http.py; or any route, e.g. a 405 from Litestar) it closes the connection, and closing at once with unread bytes makes the kernel reset the connection, and the
 client (still sending) sees "connection reset" instead of the answer. So such a close half-closes
 (FIN after the reply), drops whatever still arrives, and closes for good when the client does or after
 ``LINGER_S``. Bodies themselves (size, deadline) are bounded one layer up, in http.py.
@@ -115,6 +115,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.in_message = False
         self._awaiting_headers = True
         self._header_bytes = 0
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.in_message and not self.transport.is_closing():
+            self.transport.close()  # answered before its body ended (any route): never read the rest; lingers
 
     def _arm_deadline(self) -> None:
         self._deadline = self.loop.call_later(self.header_limits.timeout_s, self._on_deadline)

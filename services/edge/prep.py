@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import multiprocessing
 import os
 from collections import OrderedDict
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -43,6 +45,7 @@ from services.edge.tools.render import render_messages
 from services.edge.tools.validate import remember_checked, schema_key
 from shared.schema import SamplingParams, Structured
 
+log = logging.getLogger("infermesh.edge")
 _RAW_NULL = msgspec.Raw(b"null")
 KNOWN_REQUESTS = 4096  # distinct (tools, response_format) bodies remembered as prepared
 WORKER_NICENESS = 10
@@ -143,6 +146,8 @@ def prepare(job: PrepJob, tokenizer: Any) -> Prepared:
         raise errors.invalid_request(exc.message, exc.param, exc.code) from None
     except RecursionError:  # justified: every field is depth-checked; this is the last line for what is not
         raise errors.invalid_request("The request nests too deeply.", None, "nesting_too_deep") from None
+    except OverflowError:  # justified: every number is bounded; the same last line for a value that is not
+        raise errors.invalid_request("A number in the request is out of range.", None, "number_out_of_range") from None
 
 
 def _prepare_chat(job: PrepJob, tokenizer: Any) -> Prepared:
@@ -241,7 +246,7 @@ class PrepPool:
             prepared = prepare(job, tokenizer)
         else:
             self.num_offloaded += 1
-            result = await asyncio.get_running_loop().run_in_executor(self._pool(), _run, job)
+            result = await self._offload(job)
             if isinstance(result, Failure):
                 raise result.error()
             prepared = result
@@ -251,6 +256,18 @@ class PrepPool:
             if len(self._known) > KNOWN_REQUESTS:
                 self._known.popitem(last=False)
         return prepared
+
+    async def _offload(self, job: PrepJob) -> Prepared | Failure:
+        """``_run(job)`` in a worker; a pool whose worker died (killed, out of memory) is replaced once."""
+        for attempt in (0, 1):
+            try:
+                return await asyncio.get_running_loop().run_in_executor(self._pool(), _run, job)
+            except BrokenProcessPool:
+                log.warning("a request-preparation worker died; starting a new pool")
+                self.close()
+                if attempt:
+                    raise errors.service_unavailable("Request preparation is unavailable; retry.") from None
+        raise AssertionError("unreachable")
 
     def _pool(self) -> ProcessPoolExecutor:
         if self._executor is None:

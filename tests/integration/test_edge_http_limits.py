@@ -122,6 +122,11 @@ async def test_get_on_the_chat_endpoint_is_405(edge):
     assert reply.status_code == 405 and reply.json()["error"]["code"] == "method_not_allowed"
 
 
+async def test_any_route_answered_before_its_body_ended_closes_the_connection(edge):
+    status, _, _, took = await exchange(edge.port, head(10 << 20, path="/v1/models"))  # Litestar's own route
+    assert status == 405 and took < 2  # closed at once (half-closed), not kept open until the keep-alive timeout
+
+
 async def test_requests_within_the_limits_still_keep_their_connection(edge):
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{edge.port}/v1",
                                  headers={"Authorization": f"Bearer {KEY}"}) as client:
