@@ -1,4 +1,5 @@
-"""Engine processes yield the CPU: every thread of every child, and the threads they start later."""
+"""Engine processes yield the CPU: every thread of every process the engine started, and the threads they
+start later; never a process that was there before (a test runner's nats-server)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 
 import psutil
 
-from services.worker.engines.priority import renice_children
+from services.worker.engines.priority import SpawnedProcesses
 
 CHILD = """
 import sys, threading, time
@@ -22,21 +23,34 @@ time.sleep(60)
 """
 
 
-def test_every_thread_of_a_child_and_the_threads_it_starts_later_run_at_the_lower_priority():
-    own = os.getpriority(os.PRIO_PROCESS, 0)
+def _spawn() -> subprocess.Popen:
     child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    return child
+
+
+def _nice(process: subprocess.Popen) -> set[int]:
+    return {os.getpriority(os.PRIO_PROCESS, t.id) for t in psutil.Process(process.pid).threads()}
+
+
+def test_the_engines_processes_and_the_threads_they_start_later_run_at_the_lower_priority_and_no_other():
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    bystander = _spawn()  # started before the engine: nats-server under a test runner
+    spawned = SpawnedProcesses()
+    engine = _spawn()
     try:
-        assert child.stdout.readline().strip() == "ready"
-        threads = psutil.Process(child.pid).threads()
+        threads = psutil.Process(engine.pid).threads()
         assert len(threads) >= 2
-        assert renice_children(7) >= len(threads)
-        assert {os.getpriority(os.PRIO_PROCESS, t.id) for t in threads} == {7}
-        child.stdin.write("\n")
-        child.stdin.flush()
-        late = int(child.stdout.readline())
+        assert spawned.renice(7) >= len(threads)
+        assert _nice(engine) == {7}
+        engine.stdin.write("\n")
+        engine.stdin.flush()
+        late = int(engine.stdout.readline())
         assert os.getpriority(os.PRIO_PROCESS, late) == 7
-        assert renice_children(7) == 0  # nothing left to change
-        assert os.getpriority(os.PRIO_PROCESS, 0) == own  # this process (the worker's event loop) is untouched
+        assert spawned.renice(7) == 0  # nothing left to change
+        assert _nice(bystander) == {own}  # the runner's other children are untouched
+        assert os.getpriority(os.PRIO_PROCESS, 0) == own  # and so is this process (the worker's event loop)
     finally:
-        child.kill()
-        child.wait()
+        for child in (bystander, engine):
+            child.kill()
+            child.wait()

@@ -6,8 +6,14 @@ them now. On a 2-core machine two vLLM engines with NIXL starved nats-server unt
 call timed out and a decoder "left the mesh" mid-stream. So engine processes run at a lower
 priority (a higher nice value): they still get every idle cycle, the control plane runs first.
 
+    spawned = SpawnedProcesses()          # before the engine starts its processes
+    ... AsyncLLM.from_engine_args(...)
+    spawned.renice(10)                    # those processes (and theirs), never the others of this process
+
 Linux keeps a nice value per thread, and a new thread inherits its creator's: every thread of each
-child process is reniced, and threads those threads start later inherit the value.
+engine process is reniced, and threads those threads start later inherit the value. Only processes
+that appeared since ``SpawnedProcesses`` was made are touched: a worker run inside another program
+(a test runner that also started nats-server) must not renice that program's other children.
 """
 
 from __future__ import annotations
@@ -20,21 +26,37 @@ import psutil
 log = logging.getLogger(__name__)
 
 
-def renice_children(nice: int) -> int:
-    """Give every thread of this process's descendants at least ``nice``; returns how many threads changed."""
-    changed = 0
-    for child in psutil.Process().children(recursive=True):
-        try:
-            threads = child.threads()
-        except psutil.Error:
-            continue  # gone already
-        for thread in threads:
+class SpawnedProcesses:
+    """The child processes this process starts from now on (and their descendants)."""
+
+    def __init__(self) -> None:
+        self._before = {p.pid for p in psutil.Process().children(recursive=True)}
+        self._engine: set[int] = set()
+
+    def processes(self) -> list[psutil.Process]:
+        """Children that appeared since construction, and every descendant of those (also later ones)."""
+        found = []
+        for child in psutil.Process().children(recursive=True):
+            if child.pid in self._engine or child.pid not in self._before:
+                self._engine.add(child.pid)
+                found.append(child)
+        return found
+
+    def renice(self, nice: int) -> int:
+        """Give every thread of those processes at least ``nice``; returns how many threads changed."""
+        changed = 0
+        for process in self.processes():
             try:
-                if os.getpriority(os.PRIO_PROCESS, thread.id) < nice:
-                    os.setpriority(os.PRIO_PROCESS, thread.id, nice)
-                    changed += 1
-            except (ProcessLookupError, PermissionError):
-                continue
-    if changed:
-        log.info("engine processes reniced to %d (%d threads)", nice, changed)
-    return changed
+                threads = process.threads()
+            except psutil.Error:
+                continue  # gone already
+            for thread in threads:
+                try:
+                    if os.getpriority(os.PRIO_PROCESS, thread.id) < nice:
+                        os.setpriority(os.PRIO_PROCESS, thread.id, nice)
+                        changed += 1
+                except (ProcessLookupError, PermissionError):
+                    continue
+        if changed:
+            log.info("engine processes reniced to %d (%d threads)", nice, changed)
+        return changed

@@ -89,6 +89,7 @@ class VllmEngine(Engine):
         self._kv_subscriber: Any = None
         self._prompt = _PromptTokenCounter()
         self._nixl_endpoint = ""
+        self._spawned: Any = None  # priority.SpawnedProcesses: the engine's own processes
 
     async def start(self) -> EngineSpec:
         c = self.config
@@ -119,6 +120,9 @@ class VllmEngine(Engine):
             logits_processors=[_CLOSING_PROCESSOR] if c.budget_closing else None,
             kv_transfer_config=kv_transfer_config, max_num_batched_tokens=c.max_num_batched_tokens or None,
         )
+        from services.worker.engines.priority import SpawnedProcesses
+
+        self._spawned = SpawnedProcesses()  # what vLLM starts now: its engine core (and theirs)
         with _environment(engine_env):  # read while vLLM configures itself and by the processes it starts
             self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._prompt.logger_factory()])
         vllm_config = self._llm.vllm_config
@@ -137,10 +141,8 @@ class VllmEngine(Engine):
         )
 
     def _renice(self) -> None:
-        if self.config.engine_nice > 0:
-            from services.worker.engines.priority import renice_children
-
-            renice_children(self.config.engine_nice)
+        if self.config.engine_nice > 0 and self._spawned is not None:
+            self._spawned.renice(self.config.engine_nice)
 
     async def _warm_up(self) -> None:
         """One local prefill before serving. vLLM CPU 0.32 kills its worker with SIGILL (in
