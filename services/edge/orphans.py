@@ -26,7 +26,6 @@ import hashlib
 import hmac
 import logging
 
-import nats
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
@@ -114,7 +113,7 @@ class OrphanBiller:
         while True:
             try:
                 msgs = await self._sub.fetch(self.batch_size, timeout=self.fetch_wait_s)
-            except nats.errors.TimeoutError:
+            except TimeoutError:  # asyncio's or nats-py's: nothing came, ask again
                 continue
             except asyncio.CancelledError:
                 raise

@@ -25,7 +25,6 @@ import time
 from collections import Counter
 
 import msgspec
-import nats.errors
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -167,7 +166,7 @@ class MeteringService:
         while not self._stopping.is_set():
             try:
                 msgs = await sub.fetch(self.config.batch_size, timeout=self.config.fetch_wait_s)  # type: ignore
-            except nats.errors.TimeoutError:
+            except TimeoutError:  # asyncio's or nats-py's: nothing came, ask again
                 continue
             except asyncio.CancelledError:
                 raise

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 
 import pytest
@@ -284,3 +286,13 @@ async def test_a_batch_that_fails_midway_writes_nothing(ledger_url, monkeypatch)
     written = await write_usage(engine, [(1, event(1)), (2, event(2))], book)  # the redelivery counts in full
     assert written.inserted == 2 and (await totals(engine))[2] == (await totals(engine))[3] > 0
     await engine.dispose()
+
+
+async def test_an_idle_usage_stream_is_not_reported_as_a_failing_fetch(metering, caplog):
+    """A fetch that finds nothing times out with asyncio's TimeoutError as well as nats-py's; both mean "ask
+    again", not "NATS away" (an idle mesh logged a warning per writer every few seconds)."""
+    service, _bus, _engine = metering
+    with caplog.at_level(logging.WARNING, logger="infermesh.metering"):
+        await asyncio.sleep(0.5)  # many fetch timeouts of fetch_wait_s each
+    assert [r.message for r in caplog.records if "fetch failed" in r.message] == []
+    assert service.config.fetch_wait_s < 0.1
