@@ -53,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--namespace", default="im")
     up.add_argument("--router-replicas", type=int, default=2, help="router processes (they agree; one may die)")
     up.add_argument("--admission-replicas", type=int, default=2, help="admission processes (a leader, standbys)")
+    up.add_argument("--edge-replicas", type=int, default=2,
+                    help="edge processes sharing --http-port (SO_REUSEPORT; a dead one loses only its own requests)")
     up.add_argument("--max-model-len", type=int, default=8192)
     up.add_argument("--kv-cache-gib", type=float, default=1.0, help="vLLM CPU KV cache per worker")
     up.add_argument("--sim-ttft-ms", type=float, default=20.0)
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             sim_engines_per_process=args.sim_engines_per_process, database_url=args.database_url,
             billing_port=args.billing_port, pd=args.pd, prefill_token_budget=args.prefill_token_budget,
             decode_token_budget=args.decode_token_budget, router_replicas=args.router_replicas,
-            admission_replicas=args.admission_replicas,
+            admission_replicas=args.admission_replicas, edge_replicas=args.edge_replicas,
         )
         return run_mesh(options)
     return 2

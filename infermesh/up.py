@@ -36,6 +36,7 @@ class MeshOptions:
     # admission takes the leader key within its TTL and restores the leases and budget holds
     router_replicas: int = 2
     admission_replicas: int = 2
+    edge_replicas: int = 2  # on one port (SO_REUSEPORT): a dead edge costs only its own open requests
     nats_tls_cert: str = ""  # TLS on the NATS that up starts: its certificate, key, and the CA clients trust
     nats_tls_key: str = ""
     nats_tls_ca: str = ""
@@ -92,8 +93,8 @@ class MeshOptions:
         if self.sim_engines_per_process < 1 or self.sim_stream_interval < 1 or self.sim_clock_factor <= 0:
             raise SystemExit("--sim-engines-per-process and --sim-stream-interval must be >= 1, "
                              "--sim-clock-factor > 0")
-        if self.router_replicas < 1 or self.admission_replicas < 1:
-            raise SystemExit("--router-replicas and --admission-replicas must be >= 1")
+        if min(self.router_replicas, self.admission_replicas, self.edge_replicas) < 1:
+            raise SystemExit("--router-replicas, --admission-replicas and --edge-replicas must be >= 1")
         if self.engine == "vllm" and self.total_workers > 2:
             raise SystemExit("at most two vLLM CPU engines run on this machine; use --engine sim for fleets")
 
@@ -217,8 +218,12 @@ def start_processes(group: ProcessGroup, options: MeshOptions, model_path: str, 
             args += _sim_args(options, process)
         group.python_service(process.name, "services.worker", args, env)
     edge_secret = os.environ.get("INFERMESH_EDGE_SECRET") or secrets.token_hex(32)  # one for every edge, restarts too
-    group.python_service("edge", "services.edge", ["--host", options.host, "--http-port", str(options.http_port)],
-                         {**env, "INFERMESH_DEV_KEY": options.dev_key, "INFERMESH_EDGE_SECRET": edge_secret})
+    edge_args = ["--host", options.host, "--http-port", str(options.http_port)]
+    if options.edge_replicas > 1:
+        edge_args.append("--reuse-port")
+    for i in range(options.edge_replicas):
+        group.python_service("edge" if options.edge_replicas == 1 else f"edge-{i}", "services.edge", edge_args,
+                             {**env, "INFERMESH_DEV_KEY": options.dev_key, "INFERMESH_EDGE_SECRET": edge_secret})
     return nats_url
 
 

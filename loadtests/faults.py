@@ -1,6 +1,6 @@
 """The fault matrix: `infermesh up` (sim engine, ledger on Postgres) under streamed and plain load while, in
-turn, one part of it is SIGKILLed: an edge, a router replica, the admission leader, the breaker, metering, a
-worker mid-stream, and nats-server. `up`'s supervisor restarts each.
+turn, one part of it is SIGKILLed: an edge (of two sharing the port), a router replica (of two), the admission
+leader (of two), the breaker, metering, a worker mid-stream, and nats-server. `up`'s supervisor restarts each.
 
 Per fault: client errors by kind, hung requests (must be 0), usage the clients were shown vs rows in the ledger
 (must be equal: nothing lost, nothing doubled), streams cut after tokens and whether the ledger billed them,
@@ -95,19 +95,23 @@ class Mesh:
                 continue
         raise RuntimeError(f"no {fault} process ({marker}) under infermesh up")
 
-    def restarted(self, victim_cmdline: list[str], old_pid: int) -> bool:
+    def pids(self) -> set[int]:
+        return {p.pid for p in psutil.Process(self.popen.pid).children(recursive=True)}
+
+    def restarted(self, victim_cmdline: list[str], before: set[int]) -> bool:
+        """A process with the victim's command line that was not there at the kill (replicas share one)."""
         for child in psutil.Process(self.popen.pid).children(recursive=True):
             try:
-                if child.pid != old_pid and child.cmdline() == victim_cmdline:
+                if child.pid not in before and child.cmdline() == victim_cmdline:
                     return True
             except psutil.Error:
                 continue
         return False
 
-    async def back(self, victim_cmdline: list[str], old_pid: int, since: float, limit_s: float) -> float | None:
+    async def back(self, victim_cmdline: list[str], before: set[int], since: float, limit_s: float) -> float | None:
         """Seconds until the killed process runs again (the same command, a new pid) and the mesh is ready."""
         while time.monotonic() - since < limit_s:
-            if self.restarted(victim_cmdline, old_pid) and self.ready():
+            if self.restarted(victim_cmdline, before) and self.ready():
                 return time.monotonic() - since
             await asyncio.sleep(0.1)
         return None
@@ -125,12 +129,12 @@ async def run_fault(mesh: Mesh, fault: str, concurrency: int, before_s: float, a
     driver = asyncio.create_task(load.run(concurrency))
     await asyncio.sleep(before_s)
     victim = mesh.process(fault)
-    cmdline = victim.cmdline()
+    cmdline, before = victim.cmdline(), mesh.pids()
     killed_at = time.monotonic()
     victim.send_signal(signal.SIGKILL)
     _say(f"{fault}: SIGKILLed pid {victim.pid}")
     first_ok, back = await asyncio.gather(first_success_after(mesh.base_url, KEY, "tiny", killed_at, 60),
-                                          mesh.back(cmdline, victim.pid, killed_at, 90))
+                                          mesh.back(cmdline, before, killed_at, 90))
     await asyncio.sleep(after_s)
     load.stop()
     await driver

@@ -36,7 +36,12 @@ class EdgeConfig(BusConfig):
     # Hostile clients (README "Limits"): bodies, headers and their read deadlines; tool schema caps
     max_body_bytes: int = 4 << 20  # a bigger body is 413 (Content-Length checked before reading, then while reading)
     max_header_bytes: int = 64 << 10  # request line + headers; more is 431 and the connection closes
-    header_timeout_s: float = 10.0  # from the first byte (or the connection) to the end of the headers, else 408
+    # from the first byte (or the connection) to the end of the headers, else 408; nginx waits 60 s, and 10 s
+    # failed a client sharing a busy event loop with an in-process mesh (it had connected, not yet written)
+    header_timeout_s: float = 30.0
+    # SO_REUSEPORT: several edges serve one port (the kernel spreads connections), so one that dies costs only
+    # its own open requests (``infermesh up --edge-replicas``)
+    reuse_port: bool = False
     body_timeout_s: float = 30.0  # to read the whole body once its headers are in, else 408
     max_tools: int = 128  # as OpenAI
     max_tools_bytes: int = 512 << 10  # the tools array as JSON

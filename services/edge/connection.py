@@ -72,7 +72,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     (its bytes are counted against the cap); the deadline runs from the connection's start or a
     request's first byte to the end of its headers, never while a reply streams."""
 
-    header_limits = HeaderLimits(64 << 10, 10.0)  # set per server by ``guarded_protocol``
+    header_limits = HeaderLimits(64 << 10, 30.0)  # set per server by ``guarded_protocol``
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)

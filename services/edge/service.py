@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import uuid
 
 import uvicorn
@@ -40,7 +41,8 @@ class EdgeService:
             http=guarded_protocol(HeaderLimits(self.config.max_header_bytes, self.config.header_timeout_s)),
         )
         self._server = uvicorn.Server(server_config)
-        self._task = asyncio.create_task(self._server.serve(), name="http")
+        sockets = [self._shared_socket()] if self.config.reuse_port else None
+        self._task = asyncio.create_task(self._server.serve(sockets=sockets), name="http")
         while not self._server.started:
             if self._task.done():
                 await self._task  # raises the bind error
@@ -48,6 +50,16 @@ class EdgeService:
             await asyncio.sleep(0.02)
         self.port = self._server.servers[0].sockets[0].getsockname()[1]
         log.info("edge %s listening on http://%s:%d/v1", self.edge_id, self.config.host, self.port)
+
+    def _shared_socket(self) -> socket.socket:
+        """A listening socket other edges may bind too (SO_REUSEPORT): the kernel spreads new connections."""
+        sock = socket.socket(socket.AF_INET6 if ":" in self.config.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((self.config.host, self.config.http_port))
+        sock.listen(2048)
+        sock.setblocking(False)
+        return sock
 
     async def stop(self) -> None:
         if self._server is not None:
