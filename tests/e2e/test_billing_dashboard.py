@@ -144,8 +144,8 @@ def test_dashboard_shows_the_seeded_month(server, browser):
     assert rows_of(browser, "keys-table") == [["im-acmeapp", "acme app", "18", "42,100", "$1.333333"],
                                               ["im-acmeadm", "acme admin", "6", "14,000", "$0.345001"]]
     assert [(r[1], r[2], r[6], r[7]) for r in rows_of(browser, "usage-table")] == [
-        ("req-a2", "1", "$0.000003", "ok"), ("req-a2", "0", "$0.000002", "error"),
-        ("req-a3", "0", "$0.000004", "ok"), ("req-a1", "0", "$0.000001", "ok")]
+        ("req-a2", "1", "$0.000003", "finished"), ("req-a2", "0", "$0.000002", "failed"),
+        ("req-a3", "0", "$0.000004", "finished"), ("req-a1", "0", "$0.000001", "finished")]
     if os.environ.get("INFERMESH_SAVE_SCREENSHOT") == "1":
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         browser.set_window_size(1280, 1380)  # the page's height, without a blank tail

@@ -44,11 +44,11 @@ BUDGETS = [("acme", "*", 5_000_000), ("acme", "2026-10", 2_000_000)]  # micro-US
 UTC = dt.timezone.utc
 # request_id, attempt, team, key prefix, model, created_at, cost_nano, status
 USAGE = [
-    ("req-a1", 0, "acme", "im-acmeapp", LLAMA, dt.datetime(2026, 10, 1, 10, 0, tzinfo=UTC), 1_000, "ok"),
-    ("req-a2", 0, "acme", "im-acmeapp", QWEN, dt.datetime(2026, 10, 5, 9, 0, tzinfo=UTC), 2_000, "error"),
-    ("req-a2", 1, "acme", "im-acmeapp", QWEN, dt.datetime(2026, 10, 5, 9, 0, 1, tzinfo=UTC), 3_000, "ok"),
-    ("req-a3", 0, "acme", "im-acmeadm", LLAMA, dt.datetime(2026, 10, 2, 12, 0, tzinfo=UTC), 4_000, "ok"),
-    ("req-g1", 0, "globex", "im-globadm", LLAMA, dt.datetime(2026, 10, 6, 8, 0, tzinfo=UTC), 5_000, "ok"),
+    ("req-a1", 0, "acme", "im-acmeapp", LLAMA, dt.datetime(2026, 10, 1, 10, 0, tzinfo=UTC), 1_000, "finished"),
+    ("req-a2", 0, "acme", "im-acmeapp", QWEN, dt.datetime(2026, 10, 5, 9, 0, tzinfo=UTC), 2_000, "failed"),
+    ("req-a2", 1, "acme", "im-acmeapp", QWEN, dt.datetime(2026, 10, 5, 9, 0, 1, tzinfo=UTC), 3_000, "finished"),
+    ("req-a3", 0, "acme", "im-acmeadm", LLAMA, dt.datetime(2026, 10, 2, 12, 0, tzinfo=UTC), 4_000, "finished"),
+    ("req-g1", 0, "globex", "im-globadm", LLAMA, dt.datetime(2026, 10, 6, 8, 0, tzinfo=UTC), 5_000, "finished"),
 ]
 
 
@@ -167,7 +167,7 @@ async def test_recent_usage_newest_first_and_team_scoped(session):
                                                                ("req-a1", 0)]
     first = rows[0]
     assert (first["model"], first["status"], first["cost_usd"], first["total_tokens"]) == \
-        (QWEN, "ok", "0.000003000", 120)
+        (QWEN, "finished", "0.000003000", 120)
     assert (first["trace_id"], first["created_at"], first["ttft_ms"]) == \
         ("trace-req-a2-1", "2026-10-05T09:00:01Z", 12.5)
     assert len(await billing.recent_usage(session, "acme", limit=2)) == 2
