@@ -5,17 +5,18 @@ a KV read a consumer on ``KV_<bucket>`` or a direct get; JetStream API calls are
 
 | role      | publishes                                                       | subscribes                      | KV writes            | KV reads                      |
 |-----------|-----------------------------------------------------------------|---------------------------------|----------------------|-------------------------------|
-| edge      | router.route, worker.*.generate/abort, admission.*, outcome.*,  | stream.> (token streams)        | —                    | workers, breakers, api_keys   |
-|           | usage (JetStream)                                               |                                 |                      |                               |
+| edge      | router.route, worker.*.generate/abort/ping, admission.*,        | stream.> (token streams),       | edges (heartbeats)   | workers, breakers, api_keys   |
+|           | outcome.*, usage (JetStream); the orphans consumer's acks       | edge.*.ping                     |                      |                               |
 | router    | router.decisions, worker.*.kv_replay/kv_snapshot; replies       | router.route, router.*.explain, | sessions, breakers   | workers                       |
 |           |                                                                 | router.decisions, kv.*, load.*  | (probe permits)      |                               |
-| admission | replies (lease grants)                                          | admission.*                     | leases               | workers, billing              |
+| admission | replies (lease grants); the usage stream's info (last sequence) | admission.*                     | leases               | workers, billing              |
 | breaker   | breaker.transitions                                             | outcome.*                       | breakers             | workers                       |
 | metering  | acks on the usage stream, usage_dlq (dead letters, JetStream)   | metering.keys_changed, usage    | api_keys, billing    | —                             |
 |           |                                                                 | (durable consumer)              |                      |                               |
-| worker    | stream.> (tokens), load.*, kv.*; replies (load, kv pages, pong) | worker.>                        | workers (heartbeats) | —                             |
-| admin     | metering.keys_changed, worker.*.load/ping, router.*.explain;    | —                               | —                    | workers                       |
-|           | creates the buckets and both usage streams (``provision``)      |                                 |                      | usage_dlq (dead letters)      |
+| worker    | stream.> (tokens), load.*, kv.*, orphans.* (JetStream),         | worker.>                        | workers (heartbeats) | edges                         |
+|           | edge.*.ping; replies (load, kv pages, pong)                     |                                 |                      |                               |
+| admin     | metering.keys_changed, worker.*.load/ping, edge.*.ping,         | —                               | —                    | workers, edges                |
+|           | router.*.explain; creates the buckets and streams (provision)   |                                 |                      | usage_dlq (dead letters)      |
 
 Invariants: each role subscribes to replies only on its own inbox, ``_INBOX.<role>.>`` (so no role reads another's
 replies); a role answers requests only through ``allow_responses`` (one reply per request received) unless the
@@ -23,7 +24,9 @@ subject is in its list; every role is denied stream update, delete and purge and
 on every bucket it does not write, ``<ns>.usage`` unless it is the edge, ``<ns>.usage_dlq`` unless it is
 metering. Only admin creates buckets (``provision``, before any service starts), so no service can be the first
 to make one with a config of its own; the edge and metering send the usage streams' ``STREAM.CREATE`` (as
-``ensure_usage_stream`` does on every start), which on a stream that exists is a no-op or refused, never a change.
+``ensure_usage_stream`` does on every start), edges and workers the orphans stream's, which on a stream that
+exists is a no-op or refused, never a change. Responders answer only ``_INBOX.`` reply subjects
+(``shared.bus.is_reply_inbox``): NATS lets a reply through whatever the responder's own deny list says.
 """
 
 from __future__ import annotations

@@ -146,8 +146,18 @@ class Bus:
         return await self.nc.subscribe(subject, queue=queue, cb=on_message)
 
     async def respond(self, raw: Msg, message: Any) -> None:
-        if raw.reply:
+        if is_reply_inbox(raw.reply):
             await self.nc.publish(raw.reply, schema.encode(message))
+        elif raw.reply:
+            log.warning("not answering %s on %r: a reply goes to an inbox only", raw.subject, raw.reply)
+
+
+def is_reply_inbox(subject: str) -> bool:
+    """Whether ``subject`` is a requester's inbox. NATS lets a responder publish to the reply subject of a
+    message it received even where its own permissions deny that subject, so a reply anywhere else is a
+    requester borrowing the responder's rights (a worker pinging an edge with ``reply=$KV.<ns>_api_keys.x``
+    would have had the edge overwrite an API key with its pong): never answered."""
+    return subject.startswith("_INBOX.")
 
 
 class TokenStreamSender:

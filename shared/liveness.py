@@ -38,7 +38,7 @@ import msgspec
 from nats.aio.msg import Msg
 
 from shared import schema
-from shared.bus import Bus, BusError
+from shared.bus import Bus, BusError, is_reply_inbox
 from shared.schema import EdgePong, WorkerInfo, WorkerPong
 
 log = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ class LivenessThread:
 
     async def _on_ping(self, msg: Msg) -> None:
         now = self._clock()
-        if msg.reply and self._watch.responsive(now):
+        if is_reply_inbox(msg.reply) and self._watch.responsive(now):
             await msg.respond(schema.encode(self._beacon.pong(self._watch.lag(now))))
 
 

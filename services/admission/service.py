@@ -64,6 +64,9 @@ class AdmissionService:
         self._store: LeaseStore | None = None  # the leases bucket
         self.budgets = Budgets()
         self._lapsing: list[str] = []  # lapsed leases whose reservations are not yet holds
+        # their models, until then: a release that arrives meanwhile is priced on it (with "" it cost nothing,
+        # no hold was made, and the later lapse found no reservation left: the budget failed open)
+        self._lapsed_models: dict[str, str] = {}
         self._cleared: list[str] = []  # holds the ledger passed, still to delete from the bucket
         self._billing_watch: asyncio.Task[None] | None = None
         self._billing_watcher: object = None
@@ -137,6 +140,7 @@ class AdmissionService:
         self.ledgers.clear()
         self.models.clear()
         self._lapsing.clear()
+        self._lapsed_models.clear()
         self._cleared.clear()
         self.budgets.forget_leader_state()
 
@@ -218,7 +222,8 @@ class AdmissionService:
         """The hold (if the ledger lacks the usage) is durable before the lease record goes."""
         assert self._store is not None
         model = self.models.get(request.lease_id)
-        await self._store.apply(self.budgets.release(request.lease_id, model or "", request.usage_seq,
+        priced_on = model or self._lapsed_models.get(request.lease_id, "")
+        await self._store.apply(self.budgets.release(request.lease_id, priced_on, request.usage_seq,
                                                      request.prompt_tokens, request.cached_tokens,
                                                      request.completion_tokens))
         if model is None:  # unknown, or it lapsed (then its hold now also waits for this usage)
@@ -248,6 +253,7 @@ class AdmissionService:
                 log.warning("could not write the budget hold of lapsed lease %s: %s", lease_id, exc)
                 self._lapsing.extend(lapsing[i + 1:])
                 return
+            self._lapsed_models.pop(lease_id, None)
             await self._store.forget_lease(lease_id)
 
     async def _settle_budgets(self, now: float) -> None:
@@ -268,7 +274,7 @@ class AdmissionService:
                 grants, rejected = ledger.tick(now)
                 for lease_id in lapsed:
                     self.stats["lapsed"] += 1
-                    self.models.pop(lease_id, None)
+                    self._lapsed_models[lease_id] = self.models.pop(lease_id, model)
                 self._lapsing.extend(lapsed)
                 for grant in grants:
                     await self._answer_grant(model, grant)

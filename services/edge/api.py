@@ -27,11 +27,11 @@ from services.edge.config import EdgeConfig
 from services.edge.http import HttpRequest, JsonReply, Reply, SseReply
 from services.edge.keys import Caller
 from services.edge.mesh import EdgeMesh, Finished, RouteHints, StreamBroken, Tally
-from services.edge.prep import Peek, PrepJob, PrepPool, Prepared, engine_sampling, peek
-from services.edge.protocol import MAX_ID_LENGTH, Sampling
+from services.edge.prep import Peek, PrepJob, PrepPool, Prepared, peek
+from services.edge.protocol import MAX_ID_LENGTH
 from services.edge.tokenizer import ModelTokenizer
 from services.edge.tools import ContentDelta, ToolCallParser, ToolLimits, make_parser
-from shared.schema import BillingContext, LeaseRelease, SamplingParams, Structured, UsageEvent
+from shared.schema import BillingContext, LeaseRelease, UsageEvent
 from shared.telemetry import tracer, tracing_enabled
 
 log = logging.getLogger("infermesh.edge")
@@ -107,10 +107,6 @@ class EdgeApi:
         if info is None:
             raise errors.model_not_found(model)
         return info, await self.mesh.tokenizer(info)
-
-    def _engine_sampling(self, sampling: Sampling, num_prompt: int, max_len: int,
-                         tokenizer: ModelTokenizer, structured: Structured | None = None) -> SamplingParams:
-        return engine_sampling(sampling, num_prompt, max_len, tokenizer.stop_token_ids, structured)
 
     async def _serve(self, request: HttpRequest, kind: str, prepared: Prepared, tokenizer: ModelTokenizer,
                      parser: Callable[[str], ToolCallParser] | None = None) -> Reply:

@@ -9,8 +9,9 @@
 | undecodable                           | logged, acked, dropped; counted ``undecodable``                   |
 | no billing context (edge had no secret)| logged, acked, dropped; counted ``unsigned``                     |
 | signature does not hold (forged)      | logged, acked, dropped; counted ``forged``                        |
-| signed                                | the UsageEvent edge A would have published (status ``cancelled``, |
-|                                       | dedupe id ``<request_id>:<attempt>``), published, then acked      |
+| signed                                | the UsageEvent edge A would have published (``cancelled`` for an  |
+|                                       | aborted orphan, ``finished`` for one that ended before its edge   |
+|                                       | died; dedupe id ``<request_id>:<attempt>``), published, then acked|
 | usage publish lost (NATS away 120 s)  | not acked: redelivered later                                      |
 
 The signature is HMAC-SHA256 keyed by the edges' shared secret (``INFERMESH_EDGE_SECRET``) over the generate
@@ -122,7 +123,10 @@ class OrphanBiller:
                 await asyncio.sleep(0.5)
                 continue
             for msg in msgs:
-                await self._handle(msg)
+                try:
+                    await self._handle(msg)
+                except Exception:  # an ack lost with the connection: the report comes back after ack_wait
+                    log.exception("an orphan report was not handled (it comes back after the ack wait)")
 
     async def _handle(self, msg: Msg) -> None:
         event = self.judge(msg.data)

@@ -260,11 +260,13 @@ class PrepPool:
     async def _offload(self, job: PrepJob) -> Prepared | Failure:
         """``_run(job)`` in a worker; a pool whose worker died (killed, out of memory) is replaced once."""
         for attempt in (0, 1):
+            pool = self._pool()
             try:
-                return await asyncio.get_running_loop().run_in_executor(self._pool(), _run, job)
+                return await asyncio.get_running_loop().run_in_executor(pool, _run, job)
             except BrokenProcessPool:
                 log.warning("a request-preparation worker died; starting a new pool")
-                self.close()
+                if self._executor is pool:  # another request may have replaced it already: keep that one
+                    self.close()
                 if attempt:
                     raise errors.service_unavailable("Request preparation is unavailable; retry.") from None
         raise AssertionError("unreachable")

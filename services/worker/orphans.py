@@ -129,6 +129,12 @@ class OrphanTracker:
             self._probe_at[edge_id] = now + self.grace_s
         self.edge_beat(edge_id, now)
 
+    def probe_failed(self, edge_id: str, retry_at: float) -> None:
+        """The ping itself failed (not an answer, not silence): ask again at ``retry_at``."""
+        self._probing.discard(edge_id)
+        if edge_id in self._probe_at:
+            self._probe_at[edge_id] = retry_at
+
     def silent(self, edge_id: str) -> list[str]:
         """The edge is dead: its running requests, to abort (an empty list if it came back meanwhile)."""
         self._probing.discard(edge_id)
@@ -192,6 +198,13 @@ class OrphanReaper:
                 task.add_done_callback(self._tasks.discard)
 
     async def _probe(self, edge_id: str) -> None:
+        try:
+            await self._probe_once(edge_id)
+        except Exception:  # the edge stays due: the next sweep pings it again
+            log.exception("probing edge %s failed", edge_id)
+            self.tracker.probe_failed(edge_id, time.monotonic() + 1.0)
+
+    async def _probe_once(self, edge_id: str) -> None:
         self.stats["pings"] += 1
         pong = await ping_edge(self.bus, edge_id, self._probe_timeout_s)
         if pong is not None:
@@ -234,8 +247,10 @@ class OrphanReaper:
     async def ended(self, request: GenerateRequest, num_prompt: int, num_cached: int, num_output: int,
                     ttft_ms: float, finish_reason: FinishReason) -> None:
         """A request ended on its own: its report is kept until its edge proves it lived on (see the table)."""
-        if request.billing is None:
-            return  # nothing any edge could bill
+        if request.billing is None or request.remote_decode:
+            # nothing any edge could bill; or a prefill that handed its KV on: the decode worker's report bills
+            # the request (a prefill's report shares its dedupe id and, first in, would drop its completion)
+            return
         usage = self._usage(request, num_prompt, num_cached, num_output, ttft_ms, finish_reason)
         if self.tracker.ended(request.request_id, usage, time.monotonic()):
             await self._publish(usage)

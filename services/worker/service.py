@@ -22,7 +22,7 @@ from services.worker.engines import Engine, EngineRequestError, EngineSpec, crea
 from services.worker.engines.base import PromptTokens
 from services.worker.orphans import OrphanReaper
 from shared import schema
-from shared.bus import Bus, TokenStreamSender
+from shared.bus import Bus, TokenStreamSender, is_reply_inbox
 from shared.registry import WorkerRegistration
 from services.worker.kv_log import KvEventLog
 from shared.schema import (AbortRequest, GenerateRequest, KvReplayReply, KvReplayRequest, KvSnapshot, KvSnapshotRequest,
@@ -105,8 +105,10 @@ class WorkerService:
 
     # ------------------------------------------------------------ handlers
     async def _on_generate(self, request: GenerateRequest, raw: Msg) -> None:
-        if not raw.reply:
-            log.warning("generate %s without a reply subject: dropped", request.request_id)
+        if not (is_reply_inbox(raw.reply) or self.bus.subjects.edge_of_stream(raw.reply)):
+            # a stream goes to an edge's stream subject or a requester's inbox, never elsewhere: NATS would let
+            # this worker publish there under the reply exemption whatever its own permissions say
+            log.warning("generate %s with reply subject %r: dropped", request.request_id, raw.reply)
             return
         stream = TokenStreamSender(self.bus, raw.reply, self.worker_id, request.request_id)
         task = asyncio.create_task(self._run(request, stream), name=f"gen-{request.request_id}")

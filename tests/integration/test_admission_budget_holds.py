@@ -164,3 +164,35 @@ async def test_a_lease_that_left_a_hold_is_not_restored_as_a_lease(nats_url, nam
     finally:
         await mesh.stop()
         await bus.close()
+
+
+async def test_a_release_that_arrives_while_a_lapse_is_pending_is_held_at_its_real_cost(nats_url, namespace,
+                                                                                        monkeypatch):
+    """The lease lapsed (its edge was cut off too long) and the usage stream's last sequence cannot be read yet,
+    so its worst case is not a hold yet; the edge's late release must still leave a hold of its real cost.
+    It was priced on model "" (nothing), made no hold, and the later lapse found no reservation: fail open."""
+    bus = await Bus.connect(nats_url, namespace, "test-edge")
+    await setup_mesh(bus)
+    edge = Edge(bus)
+    mesh = LocalMesh(nats_url, namespace)
+    try:
+        admission = await mesh.start_admission(lease_ttl_s=0.3, leader_ttl_s=1.0)
+        await eventually(lambda: admission.leadership.is_leader, 10)
+        unreadable = True
+
+        async def last_seq() -> int | None:
+            return None if unreadable else 0
+
+        monkeypatch.setattr(admission._store, "usage_last_seq", last_seq)  # the stream info times out meanwhile
+        granted = await edge.acquire()
+        assert isinstance(granted, LeaseGranted)
+        await eventually(lambda: granted.lease_id in admission._lapsed_models, 5)  # lapsed: no renewals
+        seq = await edge.bill()
+        await edge.release(granted.lease_id, seq)
+        await eventually(lambda: admission.budgets.committed_nano("t", time.time()) == 500_000, 5)  # 100 in, 100 out
+        unreadable = False
+        await eventually(lambda: not admission._lapsed_models, 5)
+        assert admission.budgets.committed_nano("t", time.time()) == 500_000  # held once, not dropped, not doubled
+    finally:
+        await mesh.stop()
+        await bus.close()

@@ -356,3 +356,23 @@ async def test_up_starts_nats_locked_over_tls_and_reuses_the_secrets_next_time(t
         finally:
             await asyncio.to_thread(group.stop)
     assert seen[0] == seen[1] and set(seen[0]) == {role.value for role in Role}
+
+
+async def test_a_reply_subject_cannot_borrow_a_responders_rights(locked):
+    """NATS lets a responder publish to the reply subject of a message it received whatever its permissions
+    say. A worker that pinged an edge with ``reply=$KV.<ns>_api_keys.<key>`` had the edge's liveness thread
+    overwrite that record with its pong (and a load request could aim a worker's answer at the leader key):
+    responders answer inboxes only, and a worker streams only to a stream subject or an inbox."""
+    from shared.edges import edge_registration
+
+    edge, worker, metering = await connect_all(locked, Role.EDGE, Role.WORKER, Role.METERING)
+    s = edge.subjects
+    registration = await edge_registration(edge, "e-pong", heartbeat_s=0.2, ttl_s=2)
+    await ensure_bucket(metering, s.api_keys_bucket)
+    try:
+        await worker.nc.publish(s.edge_ping("e-pong"), b"", reply=f"$KV.{s.api_keys_bucket}.forged")
+        assert (await worker.nc.request(s.edge_ping("e-pong"), b"", timeout=2)).data  # an inbox is answered
+        data, _ = await get_last(metering, s.api_keys_bucket, "forged")
+        assert data is None
+    finally:
+        await registration.stop()

@@ -127,3 +127,13 @@ def test_an_edge_with_only_ended_requests_is_pinged_when_it_leaves_and_forgotten
     assert tracker.due(2.0) == ["e1"]
     tracker.answered("e1", now=2.0 + tracker.settle_s)  # alive after the end: it billed it itself
     assert tracker.num_ended() == 0 and tracker.due(100.0) == []
+
+
+def test_a_ping_that_failed_is_retried_and_proves_nothing():
+    tracker = tracker_with(("r1", "e1"), live=("e1",))
+    tracker.ended("r1", "report-r1", now=1.0)
+    tracker.edge_left("e1", now=2.0)
+    assert tracker.due(2.0) == ["e1"]
+    tracker.probe_failed("e1", retry_at=3.0 + tracker.settle_s)  # e.g. the connection closed mid-request
+    assert tracker.num_ended() == 1  # not a sign of life
+    assert tracker.due(3.0 + tracker.settle_s) == ["e1"]
