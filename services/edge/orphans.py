@@ -89,6 +89,7 @@ class OrphanBiller:
         self.stats = {"billed": 0, "forged": 0, "unsigned": 0, "undecodable": 0, "retried": 0}
         self._sub = None
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     async def start(self) -> None:
         await ensure_orphans_stream(self.bus)
@@ -100,9 +101,17 @@ class OrphanBiller:
         self._task = asyncio.create_task(self._consume(), name="orphan-billing")
 
     async def stop(self) -> None:
+        """Bounded: nats-py's fetch can swallow a cancel when a report lands at that moment (edges stopping
+        while workers report their requests hung a clean stop for good), so the loop also checks a flag."""
+        self._stopping = True
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            for _ in range(3):
+                self._task.cancel()
+                done, _pending = await asyncio.wait([self._task], timeout=self.fetch_wait_s + 1.0)
+                if done:
+                    break
+            else:
+                log.warning("the orphan biller did not stop")
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()
@@ -111,7 +120,7 @@ class OrphanBiller:
 
     async def _consume(self) -> None:
         assert self._sub is not None
-        while True:
+        while not self._stopping:
             try:
                 msgs = await self._sub.fetch(self.batch_size, timeout=self.fetch_wait_s)
             except TimeoutError:  # asyncio's or nats-py's: nothing came, ask again
@@ -123,6 +132,8 @@ class OrphanBiller:
                 await asyncio.sleep(0.5)
                 continue
             for msg in msgs:
+                if self._stopping:
+                    return  # the rest come back to another edge after the ack wait
                 try:
                     await self._handle(msg)
                 except Exception:  # an ack lost with the connection: the report comes back after ack_wait
