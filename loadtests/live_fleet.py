@@ -118,7 +118,9 @@ def start_mesh(args: argparse.Namespace, state: Path, nats_url: str = "") -> tup
                           namespace=f"fleet{uuid.uuid4().hex[:8]}", max_model_len=args.max_model_len, state_dir=str(state), dev_key=KEY,
                           ready_timeout_s=120, sim_decoders=args.decoders, sim_prefill=args.prefill,
                           sim_profile=args.profile, sim_clock_factor=args.clock_factor,
-                          sim_stream_interval=args.stream_interval, sim_engines_per_process=args.engines_per_process)
+                          sim_stream_interval=args.stream_interval, sim_engines_per_process=args.engines_per_process,
+                          # the shape this benchmark measures (one edge's CPU per token): no replicas
+                          router_replicas=1, admission_replicas=1, edge_replicas=1)
     options.check()
     group = ProcessGroup(state / "logs")
     try:
