@@ -107,6 +107,7 @@ class _WorkerFailedEarly(Exception):
         self.error, self.worker_id = error, worker_id
 
 
+SERVED_MEMORY_S = 600.0  # a model served this recently is unavailable (503), not unknown (404), without workers
 RETRYABLE = ("worker_unavailable", "worker_shutdown", "stream_gap", "timeout", "engine_error", "bad_message")
 
 
@@ -136,6 +137,7 @@ class EdgeMesh:
         self._tokenizers: dict[str, ModelTokenizer] = {}
         self._loading: dict[str, asyncio.Task[ModelTokenizer]] = {}
         self._background: set[asyncio.Task[None]] = set()
+        self._served: dict[str, float] = {}  # model -> when a live worker last served it (monotonic)
 
     async def start(self) -> None:
         self.directory.on_added.append(self._on_worker_added)
@@ -172,7 +174,14 @@ class EdgeMesh:
 
     # ------------------------------------------------------------ models and tokenizers
     def model_info(self, model: str) -> WorkerInfo | None:
-        return self.directory.models().get(model)
+        """A live worker's info for ``model``; a model with none right now but served before raises 503."""
+        info = self.directory.models().get(model)
+        if info is not None:
+            self._served[model] = time.monotonic()
+        elif time.monotonic() - self._served.get(model, -SERVED_MEMORY_S) < SERVED_MEMORY_S:
+            # its workers are away (restarting, or the registry is being re-read after a NATS restart): it exists
+            raise errors.service_unavailable(f"No worker serves `{model}` right now; retry.", "no_capacity", 2)
+        return info
 
     def is_ready(self) -> bool:
         return self.bus.nc.is_connected and any(w.tokenizer in self._tokenizers for w in self.directory.live())
@@ -196,6 +205,7 @@ class EdgeMesh:
         return loaded
 
     def _on_worker_added(self, info: WorkerInfo) -> None:
+        self._served[info.model] = time.monotonic()
         if info.tokenizer and info.tokenizer not in self._tokenizers:
             self._spawn(self._preload(info))
 

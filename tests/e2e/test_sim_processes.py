@@ -241,3 +241,26 @@ async def test_a_worker_dying_before_the_first_token_costs_one_retry_and_usage_o
     finally:
         stop_processes(procs)
         await mesh.stop()
+
+
+async def test_a_model_whose_workers_are_away_is_unavailable_not_unknown(nats_url, namespace, tiny_model):
+    """While a model's workers restart (or the registry is re-read after a NATS restart) it still exists: 503
+    with Retry-After, as the fault matrix's NATS restart showed 404 model_not_found to two clients."""
+    mesh = LocalMesh(nats_url, namespace)
+    await mesh.start_router()
+    edge = await mesh.start_edge()
+    worker = await mesh.start_worker(worker_id="sim-away", engine="sim", model="tiny", model_path=str(tiny_model))
+    try:
+        await eventually(edge.mesh.is_ready, 30)
+        client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key=mesh.dev_key, max_retries=0)
+        await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+        await worker.stop()
+        mesh.workers.remove(worker)
+        await eventually(lambda: not edge.mesh.directory.live(), 5)
+        with pytest.raises(openai.APIStatusError) as away:
+            await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+        assert away.value.status_code == 503 and away.value.response.headers["retry-after"]
+        with pytest.raises(openai.NotFoundError):  # a model never served is still unknown
+            await client.chat.completions.create(model="never-served", messages=MESSAGES, max_tokens=2)
+    finally:
+        await mesh.stop()
