@@ -178,7 +178,7 @@ class EdgeMesh:
         info = self.directory.models().get(model)
         if info is not None:
             self._served[model] = time.monotonic()
-        elif time.monotonic() - self._served.get(model, -SERVED_MEMORY_S) < SERVED_MEMORY_S:
+        elif self.was_served(model):
             # its workers are away (restarting, or the registry is being re-read after a NATS restart): it exists
             raise errors.service_unavailable(f"No worker serves `{model}` right now; retry.", "no_capacity", 2)
         return info
@@ -203,6 +203,10 @@ class EdgeMesh:
             raise errors.service_unavailable(f"cannot load the tokenizer of {info.model!r}: {exc}") from exc
         self._tokenizers[info.tokenizer] = loaded
         return loaded
+
+    def was_served(self, model: str) -> bool:
+        """A live worker served ``model`` within SERVED_MEMORY_S: without one now it is away, not unknown."""
+        return time.monotonic() - self._served.get(model, -SERVED_MEMORY_S) < SERVED_MEMORY_S
 
     def _on_worker_added(self, info: WorkerInfo) -> None:
         self._served[info.model] = time.monotonic()
@@ -265,7 +269,9 @@ class EdgeMesh:
         if isinstance(reply, RouteDecision):
             return reply
         if reply.code == "model_not_found":
-            raise errors.model_not_found(request.model)
+            if not self.was_served(request.model):
+                raise errors.model_not_found(request.model)
+            raise errors.service_unavailable(f"No worker serves `{request.model}` right now; retry.", "no_capacity", 2)
         raise errors.service_unavailable(reply.message, reply.code)
 
     async def generate(
