@@ -115,6 +115,7 @@ def _plot(faults: list[dict], path: Path) -> None:
     for i, f in enumerate(faults):
         left.text(i, bottom[i], f"{f['finished']}/{f['requests']} ok\nlost {f['lost']} dbl {f['doubled']}\n"
                   f"hung {f['hung']}", ha="center", va="bottom", fontsize=7)
+    left.set_ylim(0, max(bottom, default=0) * 1.4 + 1.5)  # room for the labels
     left.set_title("client errors by kind per fault (labels: ok, lost, doubled, hung)")
     left.set_ylabel("requests")
     if kinds:
