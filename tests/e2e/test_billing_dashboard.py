@@ -26,7 +26,7 @@ OCTOBER = "month=2026-10&start=2026-10-01&end=2026-10-31"
 
 # Justified skip: the browser is a system package (scripts/test installs it with apt-get); on a machine where that
 # install was impossible (no root, no apt) the JSON API is still covered by tests/integration/test_billing_api.py.
-if not Path(CHROMIUM).exists() or not Path(CHROMEDRIVER).exists():
+if not Path(CHROMIUM).exists() or not Path(CHROMEDRIVER).exists():  # justified: see above
     pytest.skip(f"needs Debian's chromium and chromedriver at {CHROMIUM} and {CHROMEDRIVER}", allow_module_level=True)
 
 

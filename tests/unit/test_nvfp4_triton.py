@@ -23,7 +23,7 @@ import pytest
 # Justified skips: torch and triton come with the vllm extra that scripts/test always installs (so CI runs these);
 # a bare checkout without them has nothing to run the kernels on.
 torch = pytest.importorskip("torch", reason="the kernels take torch tensors; torch is part of the vllm extra")
-if importlib.util.find_spec("triton") is None:
+if importlib.util.find_spec("triton") is None:  # justified: see above (no Triton, no kernel to run)
     pytest.skip("Triton is not installed in this environment (the kernels need it)", allow_module_level=True)
 
 from kernels.nvfp4 import format as fmt  # noqa: E402
