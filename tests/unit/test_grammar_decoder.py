@@ -203,3 +203,19 @@ def test_special_tokens_other_than_stop_tokens_are_never_allowed(tiny_model):
     allowed = decoder.mask().numpy().reshape(-1)
     assert all(not (allowed[t >> 5] >> (t & 31)) & 1 for t in specials)
     assert any((allowed[t >> 5] >> (t & 31)) & 1 for t in range(cache.tokenizer_info.vocab_size))
+
+
+HANGUL_ENUM = {"type": "object", "properties": {"k": {"enum": ["한국", "한글"]}}, "required": ["k"]}
+
+
+def test_jump_forward_ending_inside_a_character_is_bytes(cache: GrammarCache) -> None:
+    """xgrammar's jump-forward string may end inside a multi-byte character ("한" then the first byte that 국 and
+    글 share); decoding it as str raised UnicodeDecodeError inside vLLM's engine step and killed the engine."""
+    from services.worker.engines.grammar import jump_forward_bytes
+
+    decoder = ConstrainedDecoder(cache.compile(Structured("json_schema", json.dumps(HANGUL_ENUM), 64)), 64, 64, [1])
+    assert jump_forward_bytes(decoder.matcher) == '{"k": "한'.encode() + b"\xea"
+    for seed in range(20):
+        tokens, decoder = decode(cache, Structured("json_schema", json.dumps(HANGUL_ENUM), 64), seed, budget=24)
+        assert decoder.is_terminated(), seed
+        assert json.loads(text_of(cache, tokens))["k"] in ("한국", "한글")

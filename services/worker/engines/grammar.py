@@ -25,7 +25,8 @@ twenty tokens, more than any margin. The policy picks, among the tokens the mask
 
 1. a stop token (the grammar is complete: end here);
 2. the longest vocabulary token that is a prefix of ``find_jump_forward_string()`` (text the
-   grammar forces anyway: required keys, ``": "``, the rest of an enum value, end tags);
+   grammar forces anyway: required keys, ``": "``, the rest of an enum value, end tags), taken as
+   bytes: it may end inside a multi-byte character (``jump_forward_bytes``);
 3. inside a JSON string (a small lexer follows quotes and backslashes since the last
    free-text point): a token of ``"}]`` starting with ``"``, longest first; in free or raw
    text (a tag's content): a prefix of one of the structural tag's end strings; otherwise:
@@ -183,6 +184,16 @@ def allowed_token_ids(mask: torch.Tensor, vocab_size: int | None = None) -> np.n
     bits = np.unpackbits(mask.reshape(-1).numpy().view(np.uint8), bitorder="little")
     ids = np.flatnonzero(bits)
     return ids if vocab_size is None else ids[ids < vocab_size]
+
+
+def jump_forward_bytes(matcher: xgr.GrammarMatcher) -> bytes:
+    """The matcher's jump-forward string as bytes. It may end inside a multi-byte character (the bytes
+    that an enum's values share), which xgrammar's str conversion cannot decode: the raw bytes are then
+    taken from the UnicodeDecodeError (its ``object``), and none at all if it does not hold them."""
+    try:
+        return matcher.find_jump_forward_string().encode()
+    except UnicodeDecodeError as exc:
+        return bytes(exc.object) if isinstance(exc.object, (bytes, bytearray)) else b""
 
 
 def choose(mask: torch.Tensor, preferred: list[int], rng: random.Random, preferred_tries: int = 2) -> int:
@@ -423,7 +434,7 @@ class ConstrainedDecoder:
             if _allowed(bits, token):
                 return token
         v = self.vocab
-        jump = self.matcher.find_jump_forward_string().encode()
+        jump = jump_forward_bytes(self.matcher)
         if jump:
             token = self._longest_prefix_token(bits, jump)
             if token is not None:
