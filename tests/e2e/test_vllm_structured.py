@@ -16,6 +16,8 @@ import jsonschema
 import pytest
 import pytest_asyncio
 
+from services.worker.engines.base import EngineHookError
+from services.worker.engines.hook_faults import INJECT_ENV, STAGES
 from shared.schema import SamplingParams, Structured
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
@@ -49,7 +51,9 @@ async def engine(tiny_model):
 
     eng = VllmEngine(VllmEngineConfig(model="tiny", model_path=str(tiny_model), max_model_len=1024, cpu_core=0,
                                       kv_events=False, enable_prefix_caching=False))
-    await eng.start()  # pinned to core 0; the engine restores this process's environment itself
+    with pytest.MonkeyPatch.context() as env:  # hooks fail on purpose only for specs that ask (hook_faults.py)
+        env.setenv(INJECT_ENV, "1")
+        await eng.start()  # pinned to core 0; the engine restores this process's environment itself
     yield eng
     await eng.stop()
 
@@ -148,3 +152,42 @@ async def test_budget_aware_closing(engine, tokenizer, prompt, kind, max_tokens,
           f"{counts[close_within]}/{len(seeds)} with close_within={close_within}")
     assert counts[close_within] <= max_cut
     assert counts[0] > counts[close_within]  # the budget is short enough to matter
+
+
+def _faulty(stage: str) -> Structured:
+    """The tool-call grammar, with a property whose description asks the engine's hooks to fail at ``stage``."""
+    schema = {**SCHEMA, "properties": {**SCHEMA["properties"],
+                                       "note": {"type": "string", "description": f"infermesh-fault:{stage}"}}}
+    tag = json.loads(json.dumps(TAG))
+    tag["format"]["tags"][0]["content"]["json_schema"] = schema
+    return Structured("structural_tag", json.dumps(tag), 48)
+
+
+async def test_a_failing_hook_fails_its_request_and_the_engine_serves_on(engine, tokenizer, prompt):
+    """Each of our in-engine hooks fails on purpose for one request while healthy ones run beside it: the
+    failing request ends with EngineHookError, every other one finishes valid, and the engine still serves.
+    Before, an exception in the closing processor killed vLLM's EngineCore (EngineDeadError) for good."""
+    healthy = [_run(engine, prompt, _structured("structural_tag", close_within=48), seed, max_tokens=96)
+               for seed in range(4)]
+    faulty = [_run(engine, prompt, _faulty(stage), 0, max_tokens=96) for stage in STAGES if stage != "update"]
+    results = await asyncio.gather(*healthy, *faulty, return_exceptions=True)
+    for ids, reason in results[:len(healthy)]:
+        assert reason == "stop", reason
+        _arguments(tokenizer.decode(ids, skip_special_tokens=True), "structural_tag")
+    for stage, result in zip([s for s in STAGES if s != "update"], results[len(healthy):]):
+        assert isinstance(result, EngineHookError), (stage, result)
+        assert f"({stage}: RuntimeError: fault injected at {stage})" in str(result)
+    ids, reason = await _run(engine, prompt, _structured("structural_tag", close_within=48), 9, max_tokens=96)
+    assert reason == "stop"
+
+
+async def test_an_enum_of_hangul_under_budget_closing(engine, tokenizer, prompt):
+    """The request that killed the engine: an enum whose values share a partial UTF-8 prefix, closing on."""
+    schema = {"type": "object", "properties": {"lang": {"enum": ["한국어", "한글"]}, "word": {"enum": ["사랑", "사람"]}},
+              "required": ["lang", "word"], "additionalProperties": False}
+    for seed in range(3):
+        ids, reason = await _run(engine, prompt, Structured("json_schema", json.dumps(schema), 48), seed,
+                                 max_tokens=32)
+        assert reason == "stop"
+        value = json.loads(tokenizer.decode(ids, skip_special_tokens=True))
+        assert value["lang"] in ("한국어", "한글") and value["word"] in ("사랑", "사람")

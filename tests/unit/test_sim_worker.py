@@ -115,3 +115,37 @@ def test_without_a_profile_a_cost_object_is_required() -> None:
     sized = SimWorkerConfig("w", PROFILE, kv_dtype="nvfp4")
     assert sized.num_kv_blocks == PROFILE.num_kv_blocks("nvfp4") and sized.block_size == PROFILE.block_size
     assert dataclasses.replace(sized, num_kv_blocks=5).num_kv_blocks == 5
+
+
+class _BrokenDecoder:
+    """A grammar decoder whose closing raises on its third token (as xgrammar's jump-forward once did)."""
+
+    stop_token_ids = [1]
+
+    def __init__(self) -> None:
+        self.num_calls = 0
+
+    def forced_token(self, remaining: int) -> int:
+        self.num_calls += 1
+        if self.num_calls == 3:
+            raise UnicodeDecodeError("utf-8", b"\xea", 0, 1, "unexpected end of data")
+        return 7
+
+    def accept(self, token: int) -> None:
+        pass
+
+
+def test_a_failing_grammar_fails_its_request_alone() -> None:
+    """Before: the exception left end_step, so the sim engine's step loop died and every request hung."""
+    w = worker()
+    broken = SimRequest("broken", list(range(20)), 8, frozenset({1}), arrival_t=0.0)
+    healthy = SimRequest("healthy", list(range(30, 50)), 8, arrival_t=0.0)
+    w.add(broken, seed=1, decoder=_BrokenDecoder())  # type: ignore[arg-type]
+    w.add(healthy, seed=1)
+    _, produced = run(w)
+    assert healthy.finish_reason == "length" and len(healthy.output_token_ids) == 8
+    assert broken.finish_reason == "abort"
+    assert [t for r, t in produced if r is broken] == [7, 7]  # the tokens before the failure, not after
+    [(request, error)] = w.take_failed()
+    assert request is broken and error.startswith("UnicodeDecodeError") and w.take_failed() == []
+    assert all(r is not broken for r in (*w.scheduler.running, *w.scheduler.waiting))

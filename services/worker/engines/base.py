@@ -23,6 +23,11 @@ class EngineRequestError(ValueError):
     """The engine rejected a request as invalid (the client's fault, not the engine's)."""
 
 
+class EngineHookError(RuntimeError):
+    """Our code inside the engine's step (grammar, budget-aware closing) failed for this one request; the
+    engine serves the others on (engines/hook_faults.py)."""
+
+
 @dataclass(slots=True, frozen=True)
 class EngineSpec:
     """What an engine serves, known once it has started."""

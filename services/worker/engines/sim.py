@@ -22,7 +22,8 @@ import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator
 
-from services.worker.engines.base import Engine, EngineLoad, EngineOutput, EngineRequestError, EngineSpec
+from services.worker.engines.base import (Engine, EngineHookError, EngineLoad, EngineOutput, EngineRequestError,
+                                          EngineSpec)
 from services.worker.engines.block_pool import hash_block
 from services.worker.engines.cost_model import CostModel, load_profile
 from services.worker.engines.scheduler import SimRequest
@@ -96,7 +97,7 @@ def sim_token_ids(prompt_token_ids: list[int], seed: int | None, count: int) -> 
 class _Stream:
     request: SimRequest
     pending: list[int] = field(default_factory=list)
-    outputs: asyncio.Queue[EngineOutput] = field(default_factory=asyncio.Queue)
+    outputs: asyncio.Queue[EngineOutput | EngineHookError] = field(default_factory=asyncio.Queue)
     num_sent: int = 0
 
 
@@ -173,6 +174,8 @@ class SimEngine(Engine):
         try:
             while True:
                 out = await stream.outputs.get()
+                if isinstance(out, EngineHookError):
+                    raise out
                 yield out
                 if out.finish_reason is not None:
                     return
@@ -235,7 +238,16 @@ class SimEngine(Engine):
                         self._flush(stream, request.finish_reason)
                     elif stream.num_sent == 0 or len(stream.pending) >= self.config.stream_interval:
                         self._flush(stream, None)
+            self._fail_broken_grammars()
             await asyncio.sleep(0)  # let consumers and the bus run between back-to-back steps
+
+    def _fail_broken_grammars(self) -> None:
+        for request, error in self.worker.take_failed():
+            stream = self._streams.get(request.request_id)
+            if stream is not None:
+                self._flush(stream, None)  # the tokens it made before
+                stream.outputs.put_nowait(EngineHookError(
+                    f"budget-aware closing failed for this request ({error}); the engine serves on"))
 
     def _kv_ready(self, request: SimRequest, epoch: int) -> None:
         self.worker.kv_ready(request, epoch)

@@ -113,6 +113,7 @@ class SimWorker:
         self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, config.max_num_seqs)
         self._rngs: dict[str, random.Random] = {}
         self._decoders: dict[str, ConstrainedDecoder] = {}  # requests decoding under a grammar
+        self.failed: list[tuple[SimRequest, str]] = []  # requests whose grammar failed, and why (take_failed)
         self.busy = False  # a step is in flight
         self.num_steps = 0
         self.busy_s = 0.0
@@ -179,6 +180,8 @@ class SimWorker:
         self.busy = False
         produced: list[tuple[SimRequest, int]] = []
 
+        failed: list[SimRequest] = []
+
         def sample(request: SimRequest) -> int:
             rng = self._rngs[request.request_id]
             decoder = self._decoders.get(request.request_id)
@@ -186,7 +189,12 @@ class SimWorker:
                 token = draw_token(rng, request.prompt_token_ids)
             else:
                 remaining = request.max_tokens - len(request.output_token_ids)
-                token = draw_constrained(decoder, rng, request.prompt_token_ids, remaining)
+                try:
+                    token = draw_constrained(decoder, rng, request.prompt_token_ids, remaining)
+                except Exception as exc:  # that request's alone: it fails, the others run on
+                    self.failed.append((request, f"{type(exc).__name__}: {exc}"))
+                    failed.append(request)
+                    return draw_token(rng, request.prompt_token_ids)  # dropped: the request is aborted below
             produced.append((request, token))
             request.token_times.append(now)
             return token
@@ -196,4 +204,12 @@ class SimWorker:
             self._decoders.pop(request.request_id, None)
             if self.config.role == "prefill":
                 request.finish_reason = "remote"
+        for request in failed:
+            self.abort(request.request_id)
+            request.finish_reason = "abort"
         return produced
+
+    def take_failed(self) -> list[tuple[SimRequest, str]]:
+        """The requests whose grammar failed since the last call (they are aborted), with the error."""
+        failed, self.failed = self.failed, []
+        return failed

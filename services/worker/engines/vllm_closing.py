@@ -89,6 +89,7 @@ from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
+from services.worker.engines import hook_faults
 from shared.schema import Structured
 
 if TYPE_CHECKING:
@@ -112,10 +113,12 @@ def structured_outputs_params(structured: Structured) -> StructuredOutputsParams
     raise ValueError(f"unknown structured kind {structured.kind!r}")
 
 
-def closing_extra_args(structured: Structured) -> dict[str, Any] | None:
+def closing_extra_args(structured: Structured, request_id: str = "") -> dict[str, Any] | None:
     """extra_args that hand the request's grammar to the processor: it bans special tokens under every
-    grammar, and closes budget-aware when close_within > 0."""
-    return {EXTRA_KEY: {"kind": structured.kind, "spec": structured.spec, "close_within": structured.close_within}}
+    grammar, and closes budget-aware when close_within > 0. ``request_id`` names the request in fault
+    reports (hook_faults.py)."""
+    return {EXTRA_KEY: {"kind": structured.kind, "spec": structured.spec, "close_within": structured.close_within,
+                        "request_id": request_id}}
 
 
 @dataclass(slots=True)
@@ -123,9 +126,13 @@ class _Row:
     decoder: Any  # grammar.ConstrainedDecoder
     output_ids: list[int]  # live reference to the request's output token ids
     max_tokens: int
+    request_id: str = ""
+    spec: str = ""  # the grammar spec (fault injection looks for its marker there)
     num_accepted: int = 0
-    dead: bool = False
+    dead: bool = False  # no longer tracked: vLLM's own grammar goes on alone
+    failed: bool = False  # our code failed for it: reported, the worker fails the request
     forced: int = field(default=0)  # how many tokens we forced (for logs/debugging)
+    stage: str = "sync"  # the hook stage running (named in a fault report)
 
     def sync(self) -> bool:
         """Feed the decoder the tokens vLLM sampled since the last step; False while a -1 placeholder
@@ -158,8 +165,9 @@ class BudgetClosingLogitsProcessor(LogitsProcessor):
         if spec is None:
             return
         if not isinstance(spec, dict) or spec.get("kind") not in _KINDS or not isinstance(spec.get("spec"), str) \
-                or not isinstance(spec.get("close_within"), int) or spec["close_within"] < 0:
-            raise ValueError(f"extra_args[{EXTRA_KEY!r}] must be {{kind, spec, close_within}}")
+                or not isinstance(spec.get("close_within"), int) or spec["close_within"] < 0 \
+                or not isinstance(spec.get("request_id", ""), str):
+            raise ValueError(f"extra_args[{EXTRA_KEY!r}] must be {{kind, spec, close_within, request_id}}")
         if sampling_params.structured_outputs is None:
             raise ValueError(f"extra_args[{EXTRA_KEY!r}] needs structured_outputs (the same grammar)")
 
@@ -171,6 +179,7 @@ class BudgetClosingLogitsProcessor(LogitsProcessor):
         self._cache: Any = None  # grammar.GrammarCache, made on first use
         self._json_compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._rows: dict[int, _Row] = {}
+        self._inject = hook_faults.injection_enabled()
 
     def _compile(self, structured: Structured) -> Any:
         """The request's grammar exactly as vLLM's XgrammarBackend.compile_grammar builds it, so that
@@ -196,57 +205,86 @@ class BudgetClosingLogitsProcessor(LogitsProcessor):
         return False  # it changes which token wins, so it must run before greedy argmax
 
     def _new_row(self, params: VllmSampling, _prompt: list[int] | None, output_ids: list[int]) -> _Row | None:
+        """The request's row, or None (not tracked). Never raises: process_dict_updates would stop half-way,
+        leaving rows under the wrong indexes, and the engine step would fail for every request."""
         spec = (params.extra_args or {}).get(EXTRA_KEY)
         if spec is None:
             return None
+        request_id = str(spec.get("request_id", ""))
+        try:
+            hook_faults.injected(self._inject, "build", spec["spec"])
+            return self._build_row(spec, params, output_ids, request_id)
+        except Exception as exc:
+            hook_faults.report(request_id, "build", exc)
+            return None
+
+    def _build_row(self, spec: dict[str, Any], params: VllmSampling, output_ids: list[int],
+                   request_id: str) -> _Row | None:
         from services.worker.engines.grammar import ConstrainedDecoder, GrammarCache
 
-        if self._cache is None:
-            self._cache = GrammarCache(self._tokenizer_path, self._vocab_size)
-        structured = Structured(spec["kind"], spec["spec"], spec["close_within"])
         max_tokens = params.max_tokens or 0
         if max_tokens <= 0:
             return None
-        try:
-            compiled = self._compile(structured)
-            decoder = ConstrainedDecoder(compiled, max_tokens, structured.close_within,
-                                         sorted(params.all_stop_token_ids), vocab=self._cache.vocab,
-                                         banned_token_ids=self._cache.special_token_ids)
-        except Exception:  # vLLM compiled the same spec already; this should not fail
-            log.exception("budget closing: cannot build the request's decoder; not tracked")
-            return None
-        return _Row(decoder, output_ids, max_tokens)
+        if self._cache is None:
+            self._cache = GrammarCache(self._tokenizer_path, self._vocab_size)
+        structured = Structured(spec["kind"], spec["spec"], spec["close_within"])
+        decoder = ConstrainedDecoder(self._compile(structured), max_tokens, structured.close_within,
+                                     sorted(params.all_stop_token_ids), vocab=self._cache.vocab,
+                                     banned_token_ids=self._cache.special_token_ids)
+        return _Row(decoder, output_ids, max_tokens, request_id, structured.spec)
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         # No syncing here: with async scheduling the lists still end in a -1 placeholder (see above).
-        process_dict_updates(self._rows, batch_update, self._new_row)
+        try:
+            process_dict_updates(self._rows, batch_update, self._new_row)
+        except Exception as exc:  # the rows' indexes can no longer be trusted: stop closing for all of them
+            for row in self._rows.values():
+                hook_faults.report(row.request_id, "update", exc)
+            self._rows.clear()
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        if not self._rows:
-            return logits
+        """Per tracked row: ban special tokens, then force the closing token or mask unsafe openers. An
+        error is that row's alone: reported (the worker fails the request), the row no longer tracked,
+        its logits left as vLLM's grammar made them; it never reaches the engine step."""
         for index, row in self._rows.items():
-            if row.decoder.banned_token_ids:  # xgrammar reads "<s>" as text; the edge would drop it
-                logits[index, row.decoder.banned_token_ids] = float("-inf")
-            if row.dead or not row.sync() or row.decoder.is_terminated():
+            if row.failed:
                 continue
-            remaining = row.max_tokens - row.num_accepted
-            token = row.decoder.forced_token(remaining)
-            if token is None:
-                if remaining <= row.decoder.close_within:
-                    # Inside the window the decoder's own mask also drops openers (`,` `{` `[` starting more
-                    # structure) whose closing would no longer fit: vLLM's grammar mask alone allows them, and
-                    # a sampled `,{` late in an array was what cut calls the sim closed.
-                    _apply_mask(logits, index, row.decoder.mask())
-                continue
-            value = logits[index, token].item()
-            if math.isinf(value) and value < 0:
-                log.warning("budget closing: forced token %d is masked by vLLM's grammar; no longer tracked", token)
-                row.dead = True
-                continue
-            logits[index].fill_(float("-inf"))
-            logits[index, token] = value
-            row.forced += 1
+            try:
+                self._apply_row(logits, index, row)
+            except Exception as exc:
+                row.failed = row.dead = True
+                hook_faults.report(row.request_id, row.stage, exc)
         return logits
+
+    def _apply_row(self, logits: torch.Tensor, index: int, row: _Row) -> None:
+        decoder = row.decoder
+        if decoder.banned_token_ids:  # xgrammar reads "<s>" as text; the edge would drop it
+            logits[index, decoder.banned_token_ids] = float("-inf")
+        row.stage = "sync"
+        hook_faults.injected(self._inject, "sync", row.spec)
+        if row.dead or not row.sync() or decoder.is_terminated():
+            return
+        remaining = row.max_tokens - row.num_accepted
+        row.stage = "close"
+        hook_faults.injected(self._inject, "close", row.spec)
+        token = decoder.forced_token(remaining)
+        if token is None:
+            if remaining <= decoder.close_within:
+                # Inside the window the decoder's own mask also drops openers (`,` `{` `[` starting more
+                # structure) whose closing would no longer fit: vLLM's grammar mask alone allows them, and
+                # a sampled `,{` late in an array was what cut calls the sim closed.
+                row.stage = "mask"
+                hook_faults.injected(self._inject, "mask", row.spec)
+                _apply_mask(logits, index, decoder.mask())
+            return
+        value = logits[index, token].item()
+        if math.isinf(value) and value < 0:
+            log.warning("budget closing: forced token %d is masked by vLLM's grammar; no longer tracked", token)
+            row.dead = True
+            return
+        logits[index].fill_(float("-inf"))
+        logits[index, token] = value
+        row.forced += 1
 
 
 def _apply_mask(logits: torch.Tensor, index: int, bitmask: torch.Tensor) -> None:

@@ -21,6 +21,7 @@ from (computed, cached, transferred) is counted from vLLM's per-step stats (``Pr
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import os
@@ -28,8 +29,8 @@ from dataclasses import dataclass
 from contextlib import contextmanager
 from typing import Any, AsyncIterator, Iterator
 
-from services.worker.engines.base import (Engine, EngineLoad, EngineOutput, EngineRequestError, EngineSpec,
-                                          PromptTokens)
+from services.worker.engines.base import (Engine, EngineHookError, EngineLoad, EngineOutput, EngineRequestError,
+                                          EngineSpec, PromptTokens)
 from shared.schema import KvTransfer, SamplingParams
 
 log = logging.getLogger("infermesh.worker.vllm")
@@ -90,6 +91,9 @@ class VllmEngine(Engine):
         self._prompt = _PromptTokenCounter()
         self._nixl_endpoint = ""
         self._spawned: Any = None  # priority.SpawnedProcesses: the engine's own processes
+        self._fault_listener: Any = None  # hook_faults.FaultListener: our in-engine hooks' per-request failures
+        self._hook_faults: dict[str, str] = {}  # request id -> why our hook failed it
+        self._fault_aborts: set[asyncio.Task[None]] = set()
 
     async def start(self) -> EngineSpec:
         c = self.config
@@ -120,8 +124,12 @@ class VllmEngine(Engine):
             logits_processors=[_CLOSING_PROCESSOR] if c.budget_closing else None,
             kv_transfer_config=kv_transfer_config, max_num_batched_tokens=c.max_num_batched_tokens or None,
         )
+        from services.worker.engines.hook_faults import SOCKET_ENV, FaultListener
         from services.worker.engines.priority import SpawnedProcesses
 
+        if self._fault_listener is None:
+            self._fault_listener = FaultListener(self._on_hook_fault)
+            engine_env[SOCKET_ENV] = self._fault_listener.start()
         self._spawned = SpawnedProcesses()  # what vLLM starts now: its engine core (and theirs)
         with _environment(engine_env):  # read while vLLM configures itself and by the processes it starts
             self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._prompt.logger_factory()])
@@ -180,6 +188,9 @@ class VllmEngine(Engine):
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        if self._fault_listener is not None:
+            self._fault_listener.close()
+            self._fault_listener = None
         if self._kv_subscriber is not None:
             self._kv_subscriber.close()
 
@@ -188,7 +199,8 @@ class VllmEngine(Engine):
             return super().kv_events()
         return self._kv_subscriber.batches()
 
-    def _sampling(self, sampling: SamplingParams, kv_transfer_params: dict[str, Any] | None = None) -> Any:
+    def _sampling(self, sampling: SamplingParams, kv_transfer_params: dict[str, Any] | None = None,
+                  request_id: str = "") -> Any:
         from vllm import SamplingParams as VllmSampling
         from vllm.sampling_params import RequestOutputKind
 
@@ -197,7 +209,7 @@ class VllmEngine(Engine):
             from services.worker.engines.vllm_closing import closing_extra_args, structured_outputs_params
 
             structured_outputs = structured_outputs_params(sampling.structured)
-            extra_args = closing_extra_args(sampling.structured) if self.config.budget_closing else None
+            extra_args = closing_extra_args(sampling.structured, request_id) if self.config.budget_closing else None
         if kv_transfer_params is not None:  # vLLM reads (and updates) it from extra_args
             extra_args = {**(extra_args or {}), "kv_transfer_params": kv_transfer_params}
         return VllmSampling(
@@ -221,8 +233,9 @@ class VllmEngine(Engine):
         params = self._transfer_params(kv_transfer, remote_decode)
         try:
             stream = self._llm.generate(tokens_input(prompt_token_ids, cache_salt=cache_salt),
-                                        self._sampling(sampling, params), request_id)
+                                        self._sampling(sampling, params, request_id), request_id)
             async for out in _rejections_as(stream, VLLMValidationError):
+                self._raise_if_hook_failed(request_id)
                 if out.num_cached_tokens:
                     num_cached = out.num_cached_tokens
                 completion = out.outputs[0]
@@ -241,11 +254,28 @@ class VllmEngine(Engine):
                     return
                 if token_ids:
                     yield EngineOutput(token_ids, None, len(prompt_token_ids), num_cached)
+            self._raise_if_hook_failed(request_id)
             # vLLM ends an aborted request's stream without a finished output
             yield EngineOutput([], "abort", len(prompt_token_ids), num_cached)
         finally:
             self._running.pop(request_id, None)
             self._aborted.discard(request_id)
+            self._hook_faults.pop(request_id, None)
+
+    def _on_hook_fault(self, fault: Any) -> None:
+        """Our hook failed ``fault.request_id`` inside the engine (which serves on): abort it there; its
+        ``generate`` raises EngineHookError at its next output or at its end."""
+        if fault.request_id not in self._running or self._llm is None:
+            return
+        self._hook_faults[fault.request_id] = fault.message()
+        task = asyncio.ensure_future(self._llm.abort(fault.request_id))
+        self._fault_aborts.add(task)
+        task.add_done_callback(self._fault_aborts.discard)
+
+    def _raise_if_hook_failed(self, request_id: str) -> None:
+        message = self._hook_faults.get(request_id)
+        if message is not None:
+            raise EngineHookError(message)
 
     def _transfer_params(self, kv_transfer: KvTransfer | None, remote_decode: bool) -> dict[str, Any] | None:
         if self.config.kv_connector != "nixl":
