@@ -197,7 +197,7 @@ def _tool(raw: Any, where: str, max_depth: int) -> Tool:
 
 
 def _name(name: Any, param: str) -> str:
-    if not isinstance(name, str) or not NAME_RE.match(name):
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):  # match: "$" lets a trailing "\n" through
         raise ToolRequestError(f"Invalid name {name!r}: it must match ^[a-zA-Z0-9_-]{{1,64}}$.", param)
     return name
 
