@@ -219,3 +219,33 @@ def test_jump_forward_ending_inside_a_character_is_bytes(cache: GrammarCache) ->
         tokens, decoder = decode(cache, Structured("json_schema", json.dumps(HANGUL_ENUM), 64), seed, budget=24)
         assert decoder.is_terminated(), seed
         assert json.loads(text_of(cache, tokens))["k"] in ("한국", "한글")
+
+
+def _tool_tag(fmt: str, choice: str) -> Structured:
+    from services.edge.tools.grammar import build_constraint
+    from services.edge.tools.validate import Tool, ToolSpec
+
+    weather = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                                                "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+               "required": ["city", "days"]}
+    tools = (Tool("get_weather", None, weather), Tool("ping", None, {"type": "object", "properties": {}}))
+    constraint = build_constraint(fmt, ToolSpec(tools, choice, True))
+    return Structured(constraint.kind, constraint.spec, 128)
+
+
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_closing_ends_the_calls_not_only_the_open_one(cache: GrammarCache, choice: str) -> None:
+    """With parallel calls, free text between calls allows the stop token, so nothing was open to close: the
+    response ran on to max_tokens (finish "length", 54 of 60 here before) or began a call it could not finish.
+    Now the response ends once one more call would not fit, and no call is begun that could not finish."""
+    structured = _tool_tag("hermes", choice)
+    prompt = cache.tokenizer('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                             '</tool_call> hello')["input_ids"]
+    ended = with_calls = 0
+    for seed in range(40):
+        tokens, decoder = decode(cache, structured, seed, budget=80 + seed % 5 * 20, preferred=prompt)
+        text = text_of(cache, tokens)
+        assert text.count("<tool_call>") == text.count("</tool_call>"), (seed, text)  # no call cut
+        with_calls += decoder.made_call
+        ended += decoder.made_call and decoder.is_terminated()
+    assert ended == with_calls and with_calls >= (40 if choice == "required" else 0)

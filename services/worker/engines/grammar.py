@@ -67,6 +67,8 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
+from services.worker.engines.call_ends import (MAX_TAGS_PRICED, CallShape, call_shape, greedy_token_count,
+                                               trigger_token_ids)
 from shared.schema import Structured
 
 _CLOSERS = frozenset(b'"}]')
@@ -249,6 +251,7 @@ class GrammarCache:
         # ConstrainedDecoder finds the vocab tables and the tags' end strings here
         compiled._infermesh_vocab = self.vocab
         compiled._infermesh_ends = _end_strings(structured.spec) if structured.kind == "structural_tag" else ()
+        compiled._infermesh_calls = call_shape(structured.spec) if structured.kind == "structural_tag" else None
         with self._lock:
             self.num_misses += 1
             self._compiled[key] = compiled
@@ -317,6 +320,9 @@ class ConstrainedDecoder:
                     words[token >> 5] &= np.int32(~(1 << (token & 31)) if (token & 31) != 31 else 0x7FFFFFFF)
             self._allowed_words = words
         self._lexer = (False, False)  # JSON string state of the text since the last free-text point
+        self._calls: CallShape | None = getattr(compiled, "_infermesh_calls", None)  # call_ends.py
+        self._call_tail = b""  # the last bytes accepted, as many as the longest call end string
+        self.made_call = False  # a call tag's end string was written
         self.num_accepted = 0
         self.closing = False
         self.num_forced = 0
@@ -345,6 +351,9 @@ class ConstrainedDecoder:
             self._lexer = (False, False)  # free text: quotes in it open no JSON string
         if not self.matcher.accept_token(token_id):
             raise ValueError(f"token {token_id} is not allowed by the grammar here")
+        if self._calls is not None and not self.made_call and token_id < len(self.vocab.decoded):
+            self._call_tail = (self._call_tail + self.vocab.decoded[token_id])[-self._calls.max_end_bytes:]
+            self.made_call = any(end in self._call_tail for end in self._calls.ends)
         if token_id < len(self.vocab.decoded):
             self._lexer = _lex(self.vocab.decoded[token_id], *self._lexer)
         self.num_accepted += 1
@@ -361,7 +370,7 @@ class ConstrainedDecoder:
         self.mask()
         if not self.closing:
             if self._stop_allowed(self._bits):
-                return None  # nothing open: free text, or only the stop token is left anyway
+                return self._end_calls(remaining)  # nothing open: free text, or only the stop token is left
             self.last_estimate = self.closing_length(remaining)
             if remaining > self.last_estimate + self.margin:
                 self._drop_unsafe_openers(remaining)
@@ -369,6 +378,45 @@ class ConstrainedDecoder:
             self.closing = True
         self.num_forced += 1
         return self._closing_token(self._bits, *self._lexer)
+
+    def _end_calls(self, remaining: int) -> int | None:
+        """In free text inside the window: the stop token once a call was made and one more could not
+        finish; before any call, no token that could start one then (call_ends.py)."""
+        calls = self._calls
+        if calls is None:
+            return None
+        if calls.cost is None:
+            calls.cost = self._price_call(calls)
+        if remaining > calls.cost + self.margin:
+            return None
+        if self.made_call:
+            self.num_forced += 1
+            return next(t for t in self.stop_token_ids if _allowed(self._bits, t))
+        if calls.trigger_ids is None:
+            skip = set(self.banned_token_ids) | set(self.stop_token_ids)
+            calls.trigger_ids = trigger_token_ids(self.vocab.decoded, calls.triggers, skip)
+        ids = calls.trigger_ids
+        if ids.size:
+            words = self._bits.view(np.uint32)
+            np.bitwise_and.at(words, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
+        return None
+
+    def _price_call(self, calls: CallShape) -> int:
+        """Tokens the most expensive call tag takes from free text: its begin string, then the closing
+        policy's dry run to the stop token, on a fork of the matcher (this one is left as it was)."""
+        v = self.vocab
+        costs = []
+        saved = (self.matcher, self._lexer)
+        try:
+            for begin in calls.begins[:MAX_TAGS_PRICED]:
+                fork = saved[0].fork()
+                if not fork.accept_string(begin):
+                    continue
+                self.matcher, self._lexer = fork, (False, False)
+                costs.append(greedy_token_count(begin.encode(), v.by_bytes, v.max_token_bytes) + self.closing_length())
+        finally:
+            self.matcher, self._lexer = saved
+        return max(costs, default=0)
 
     def closing_length(self, limit: int | None = None) -> int:
         """Tokens the closing policy takes from here to the stop token (dry run, state unchanged);
