@@ -249,3 +249,47 @@ def test_closing_ends_the_calls_not_only_the_open_one(cache: GrammarCache, choic
         with_calls += decoder.made_call
         ended += decoder.made_call and decoder.is_terminated()
     assert ended == with_calls and with_calls >= (40 if choice == "required" else 0)
+
+
+def glm_call(cache: GrammarCache, schemas: dict[str, dict], choice, seed: int, budget: int, close_within: int = 128):
+    """One decode under the edge's glm tool grammar, parsed by the edge's GlmParser: (Result, decoder)."""
+    from services.edge.tools import build_constraint, make_parser, validate_tools
+
+    tools = validate_tools([{"type": "function", "function": {"name": n, "parameters": s}}
+                            for n, s in schemas.items()], choice)
+    constraint = build_constraint("glm", tools)
+    tokens, decoder = decode(cache, Structured(constraint.kind, constraint.spec, close_within), seed, budget)
+    parser = make_parser("glm", tools.tools, "t")
+    parser.feed(text_of(cache, tokens))
+    _, result = parser.finish("stop" if decoder.is_terminated() else "length")
+    return result, decoder
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+@pytest.mark.parametrize("budget", [64, 512])
+def test_an_open_glm_arg_value_is_closed_with_its_end_tag_and_the_call_finished(cache: GrammarCache, budget) -> None:
+    """Seen on the sim with INFERMESH_TOOL_CALL_FORMAT=glm: the policy took raw ``<arg_value>`` text for free text
+    and wrote the first byte of ``</tool_call>`` (text inside a value) for ever: arguments "" and "length"."""
+    for seed in range(8):
+        result, decoder = glm_call(cache, {"get_weather": WEATHER}, "required", seed, budget)
+        assert decoder.is_terminated() and result.finish_reason == "tool_calls", (seed, result)
+        jsonschema.validate(json.loads(result.tool_calls[0]["function"]["arguments"]), WEATHER)
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_glm_calls_are_closed_and_valid(cache: GrammarCache, name: str) -> None:
+    """Budget-aware closing in GLM's form: raw values, JSON values and optional arguments (``<arg_key>``).
+    (One miss in ten is allowed for a quirk of xgrammar's, not of closing: a string class admits the bytes of
+    a UTF-16 surrogate, which decode to three U+FFFD and break a maxLength.)"""
+    num_valid = 0
+    for seed in range(10):
+        result, decoder = glm_call(cache, {"f": SCHEMAS[name]}, "required", seed, 128, close_within=96)
+        assert decoder.is_terminated() and result.finish_reason == "tool_calls", (seed, result)
+        try:
+            jsonschema.validate(json.loads(result.tool_calls[0]["function"]["arguments"]), SCHEMAS[name])
+            num_valid += 1
+        except (ValueError, jsonschema.ValidationError) as exc:
+            print(name, seed, exc)
+    assert num_valid >= 9

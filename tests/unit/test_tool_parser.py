@@ -180,3 +180,20 @@ def test_a_call_cut_inside_its_opening_tag_is_neither_content_nor_a_call(fmt, cu
     more, result = parser.finish("length")
     assert result.content == "Let me check." and result.tool_calls == [] and result.finish_reason == "length"
     assert "".join(d.text for d in deltas + more) == "Let me check."
+
+
+CONSTRAINED = {"type": "object", "properties": {
+    "unit": {"enum": ["EUR", "USD"]}, "code": {"type": "string", "maxLength": 3}, "day": {"type": "string", "format": "date"},
+    "text": {"type": "string"}, "either": {"anyOf": [{"type": "string"}, {"enum": ["x"]}]}}}
+
+
+def test_glm_constrained_strings_lose_the_grammars_whitespace_and_plain_ones_keep_theirs():
+    """xgrammar's glm_xml allows whitespace around an enum, pattern, format or length-bounded value (not around
+    a plain string): ``<arg_value>\\t EUR\\r</arg_value>`` came back as "\\t EUR\\r", not one of the enum."""
+    tools = validate_tools([{"type": "function", "function": {"name": "pay", "parameters": CONSTRAINED}}]).tools
+    parser = make_parser("glm", tools, "r")
+    parser.feed(g("pay", ("unit", "\t EUR\r"), ("code", " ab\n"), ("day", "\n2024-01-02 "), ("text", " hi \n"),
+                  ("either", " x ")))
+    _, result = parser.finish("stop")
+    assert json.loads(result.tool_calls[0]["function"]["arguments"]) == {
+        "unit": "EUR", "code": "ab", "day": "2024-01-02", "text": " hi \n", "either": " x "}

@@ -16,8 +16,10 @@ Rules:
 - glm: ``<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>...</tool_call>``, whitespace between the
   parts ignored. A value is the raw string when the key's schema is string-only (type string, or an enum /
   const of strings), else parsed as JSON, falling back to the raw string when it does not parse (as the GLM
-  template writes it). Arguments are built as ``{"k": v, ...}`` (``json.dumps``, ``ensure_ascii=False``) and
-  streamed one complete pair at a time.
+  template writes it). A plain string (no enum, const, pattern, format or length bound) is kept byte for
+  byte; a constrained one loses the whitespace around it, which xgrammar's grammar allows there (up to
+  ``MAX_WHITESPACE`` a side) and which is not part of the value. Arguments are built as ``{"k": v, ...}``
+  (``json.dumps``, ``ensure_ascii=False``) and streamed one complete pair at a time.
 - Ids: ``call_<id_prefix>_<index>``, index counting calls from 0; the id and name come on a call's first delta.
 - Truncation (the response ends with a call open): a call whose name is complete is reported with the
   arguments streamed so far (a JSON prefix, not valid JSON), after flushing what was held back: for hermes the
@@ -346,12 +348,32 @@ class GlmParser(ToolCallParser):
 def _glm_value(parameters: Any, key: str, raw: str) -> Any:
     schema = _resolve(parameters, (parameters.get("properties") or {}).get(key)) if isinstance(parameters, dict) \
         else None
+    # xgrammar's glm_xml writes a plain string raw between the tags; a constrained one (enum, const,
+    # pattern, format, length bounds) may have up to max_whitespace_cnt whitespace on each side
+    text = raw if _plain_string(parameters, schema) else raw.strip(_XML_WHITESPACE)
     if _string_only(parameters, schema):
-        return raw
+        return text
     try:
         return json.loads(raw)
     except ValueError:
-        return raw
+        return text
+
+
+_XML_WHITESPACE = " \t\n\r"
+_STRING_CONSTRAINTS = ("enum", "const", "pattern", "format", "minLength", "maxLength")
+
+
+def _plain_string(root: Any, schema: Any) -> bool:
+    """Whether the grammar writes this string-only value verbatim (a plain ``{"type": "string"}``, or a
+    choice with one): whitespace around it is then part of the value."""
+    if not isinstance(schema, dict):
+        return False
+    types = schema.get("type")
+    if (types == "string" or isinstance(types, list) and "string" in types) and \
+            not any(k in schema for k in _STRING_CONSTRAINTS):
+        return True
+    return any(_plain_string(root, _resolve(root, s)) for key in ("anyOf", "oneOf")
+               for s in (schema.get(key) if isinstance(schema.get(key), list) else ()))
 
 
 def _resolve(root: Any, schema: Any, hops: int = 8) -> Any:

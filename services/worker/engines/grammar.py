@@ -21,16 +21,22 @@ closing mode (sticky) and forces the policy's token at every step. Otherwise it 
 from the mask the "openers" (tokens with ``,``, ``{``, ``[`` or ``"`` outside a string, or a
 quote followed by one of them inside) after which the policy's closing would no longer fit
 (one dry run each): a single ``,`` before a required object can raise the closing length by
-twenty tokens, more than any margin. The policy picks, among the tokens the mask allows:
+twenty tokens, more than any margin; where only a few tokens are allowed outside raw text
+(after GLM's ``</arg_value><``: ``/`` or the ``a`` of an optional argument) each one is
+checked so. The policy picks, among the tokens the mask allows:
 
 1. a stop token (the grammar is complete: end here);
 2. the longest vocabulary token that is a prefix of ``find_jump_forward_string()`` (text the
    grammar forces anyway: required keys, ``": "``, the rest of an enum value, end tags), taken as
    bytes: it may end inside a multi-byte character (``jump_forward_bytes``);
-3. inside a JSON string (a small lexer follows quotes and backslashes since the last
-   free-text point): a token of ``"}]`` starting with ``"``, longest first; in free or raw
-   text (a tag's content): a prefix of one of the structural tag's end strings; otherwise:
-   tokens of ``}``/``]`` (longest first), then ``,``, then ``"``;
+3. in raw text (free text or a tag's content, e.g. GLM's string ``<arg_value>``: the mask
+   allows letters and a newline, which no JSON string does): the longest token that writes
+   on an end string, innermost first (``</arg_value>`` before ``</tool_call>``, which is
+   mere text inside a value), continuing one whose start the last bytes already hold;
+   inside a JSON string (a small lexer follows quotes and backslashes, restarting after
+   each end string and GLM tag): a token of ``"}]`` starting with ``"``, longest first;
+   otherwise: tokens of ``}``/``]`` (longest first), then an end string as in raw text
+   (GLM's tags between arguments), then ``,``, then ``"``;
 4. otherwise the shortest token, tokens with whitespace, brackets, commas, quotes, ``-`` or
    ``\`` last, ties by id.
 
@@ -77,6 +83,8 @@ _CONTROL = frozenset(range(0x20))
 _OPENERS_OUT = frozenset(b',{["')
 _OPENERS_IN = frozenset(b",{[:")
 _PROBES = (b"x", b"q", b"z", b"Q")  # all allowed: free text (or a string), never JSON structure
+_RAW_PROBE = b"\n"  # also allowed: raw text (free text, a tag's content), never a JSON string
+TAIL_BYTES = 32
 
 
 @dataclass(slots=True)
@@ -96,6 +104,7 @@ class TokenVocab:
     by_bytes: dict[bytes, list[int]]
     max_token_bytes: int
     probes: list[int]
+    raw_probes: list[int]  # probes and a newline token: all allowed only in raw text
     commas: list[int]
     no_control: np.ndarray  # bitmask words: the tokens without control bytes (0x00-0x1f)
     openers_out: np.ndarray  # tokens that may commit to more structure outside a string: , { [ "
@@ -132,7 +141,8 @@ class TokenVocab:
         return cls(info.vocab_size, decoded, [t for _, t in sorted(string_closers)],
                    [t for _, t in sorted(struct_closers)], order, np.array(order, dtype=np.int64), by_bytes,
                    max((len(b) for b in by_bytes), default=1),
-                   [by_bytes[p][0] for p in _PROBES if p in by_bytes], by_bytes.get(b",", []), no_control,
+                   [by_bytes[p][0] for p in _PROBES if p in by_bytes],
+                   [by_bytes[p][0] for p in (*_PROBES, _RAW_PROBE) if p in by_bytes], by_bytes.get(b",", []), no_control,
                    np.array(openers_out, dtype=np.int64), np.array(openers_in, dtype=np.int64))
 
 
@@ -148,19 +158,29 @@ def _lex(text: bytes, in_string: bool, escaped: bool) -> tuple[bool, bool]:
     return in_string, escaped
 
 
+GLM_XML_ENDS = ("</arg_value>", "</arg_key>")  # the inner end tags of xgrammar's glm_xml style, innermost first
+GLM_XML_TAGS = ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+
+
 def _end_strings(spec: str) -> tuple[str, ...]:
-    """The end strings of a structural tag's tags (closing prefers them in free or raw text)."""
+    """The end strings of a structural tag, innermost first (closing prefers them in raw text, in that
+    order): a tag's content before the tag's own end, and for ``glm_xml`` content (GLM's
+    ``<arg_value>v</arg_value>``) its implicit ``</arg_value>`` and ``</arg_key>``. Raw text may hold an
+    outer end (``</tool_call>`` inside a value is text), so the inner one must be tried first."""
     ends: list[str] = []
 
     def walk(node: object) -> None:
         if isinstance(node, dict):
+            for key, value in node.items():
+                if key != "end":
+                    walk(value)
+            if node.get("style") == "glm_xml":
+                ends.extend(GLM_XML_ENDS)
             end = node.get("end")
             if isinstance(end, str) and end:
                 ends.append(end)
             elif isinstance(end, list):
                 ends.extend(e for e in end if isinstance(e, str) and e)
-            for value in node.values():
-                walk(value)
         elif isinstance(node, list):
             for value in node:
                 walk(value)
@@ -170,6 +190,28 @@ def _end_strings(spec: str) -> tuple[str, ...]:
     except ValueError:
         pass
     return tuple(dict.fromkeys(ends))
+
+
+def _boundaries(ends: Sequence[str]) -> tuple[bytes, ...]:
+    """Strings after which no JSON string is open: the end strings, and GLM's tags when they are used
+    (a ``"`` in a raw ``<arg_value>`` is text, so the JSON lexer restarts after each tag)."""
+    tags = GLM_XML_TAGS if any(e in GLM_XML_ENDS for e in ends) else ()
+    return tuple(dict.fromkeys(t.encode() for t in (*ends, *tags)))
+
+
+def _advance(text: bytes, lexer: tuple[bool, bool], tail: bytes, boundaries: Sequence[bytes],
+             ) -> tuple[tuple[bool, bool], bytes]:
+    """The (JSON lexer state, tail) after accepting ``text``: the lexer restarts after the last boundary
+    that ``text`` completes; ``tail`` keeps the last ``TAIL_BYTES`` bytes (how far an end string is written)."""
+    joined = tail + text
+    restart = -1
+    for b in boundaries:
+        at = joined.rfind(b)
+        if at >= 0 and at + len(b) > len(tail):
+            restart = max(restart, at + len(b) - len(tail))
+    if restart >= 0:
+        lexer, text = (False, False), text[restart:]
+    return _lex(text, *lexer), joined[-TAIL_BYTES:]
 
 
 def _bits_at(bits: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -295,6 +337,7 @@ class ConstrainedDecoder:
             or TokenVocab.from_tokenizer_info(compiled.tokenizer_info)
         ends = getattr(compiled, "_infermesh_ends", ()) if end_strings is None else end_strings
         self._ends = [e.encode() for e in ends]
+        self._boundaries = _boundaries(ends)
         self.stop_token_ids = self.matcher.stop_token_ids
         self.max_tokens = max_tokens
         self.close_within = close_within
@@ -320,6 +363,8 @@ class ConstrainedDecoder:
                     words[token >> 5] &= np.int32(~(1 << (token & 31)) if (token & 31) != 31 else 0x7FFFFFFF)
             self._allowed_words = words
         self._lexer = (False, False)  # JSON string state of the text since the last free-text point
+        self._tail = b""  # the last TAIL_BYTES bytes accepted
+        self._raw = False  # the mask at _mask_at is raw text's
         self._calls: CallShape | None = getattr(compiled, "_infermesh_calls", None)  # call_ends.py
         self._call_tail = b""  # the last bytes accepted, as many as the longest call end string
         self.made_call = False  # a call tag's end string was written
@@ -338,7 +383,8 @@ class ConstrainedDecoder:
                 self._bits[-1] &= self._tail_bits
             if self._allowed_words is not None:
                 self._bits &= self._allowed_words
-            if self._lexer[0] and not self._stop_allowed(self._bits):
+            self._raw = self._is_raw(self._bits)
+            if self._lexer[0] and not self._raw and not self._stop_allowed(self._bits):
                 # xgrammar 0.2.8 lets raw control characters into strings with maxLength/minLength
                 # ([^"\\\r\n] instead of [^\0-\x1f"\\]), which json.loads rejects
                 self._bits &= self.vocab.no_control
@@ -355,7 +401,8 @@ class ConstrainedDecoder:
             self._call_tail = (self._call_tail + self.vocab.decoded[token_id])[-self._calls.max_end_bytes:]
             self.made_call = any(end in self._call_tail for end in self._calls.ends)
         if token_id < len(self.vocab.decoded):
-            self._lexer = _lex(self.vocab.decoded[token_id], *self._lexer)
+            self._lexer, self._tail = _advance(self.vocab.decoded[token_id], self._lexer, self._tail,
+                                               self._boundaries)
         self.num_accepted += 1
 
     def is_terminated(self) -> bool:
@@ -377,7 +424,7 @@ class ConstrainedDecoder:
                 return None
             self.closing = True
         self.num_forced += 1
-        return self._closing_token(self._bits, *self._lexer)
+        return self._closing_token(self._bits, self._lexer, self._tail)
 
     def _end_calls(self, remaining: int) -> int | None:
         """In free text inside the window: the stop token once a call was made and one more could not
@@ -425,16 +472,16 @@ class ConstrainedDecoder:
         limit = self.max_dry_run if limit is None else min(limit, self.max_dry_run)
         m = self.matcher
         n = 0
-        lexer = self._lexer
+        lexer, tail = self._lexer, self._tail
         try:
             while not m.is_terminated():
                 if n == limit:
                     return n + 1
                 m.fill_next_token_bitmask(self._scratch)
-                token = self._closing_token(self._scratch_bits, *lexer)
+                token = self._closing_token(self._scratch_bits, lexer, tail)
                 if not m.accept_token(token):
                     raise AssertionError(f"closing token {token} was not accepted")  # pragma: no cover
-                lexer = _lex(self.vocab.decoded[token], *lexer)
+                lexer, tail = _advance(self.vocab.decoded[token], lexer, tail, self._boundaries)
                 n += 1
             return n
         finally:
@@ -443,40 +490,61 @@ class ConstrainedDecoder:
 
     def _drop_unsafe_openers(self, remaining: int) -> None:
         """Clear from the mask the tokens that open structure whose closing might no longer fit once
-        sampled: one such token (``,`` before a required object) can raise the closing length by
-        more than any margin. Outside a string the first ``max_checked_openers`` allowed ones are
-        checked by a dry run each and the rest dropped; inside a string they are all dropped (a
-        bare ``"`` still closes it)."""
+        sampled: one such token (``,`` before a required object, the ``a`` of GLM's ``<arg_key>`` of an
+        optional argument) can raise the closing length by more than any margin. Where only a few tokens
+        are allowed outside a string and raw text (a choice between structures) each is checked by a dry
+        run. Otherwise, outside a string, the first ``max_checked_openers`` allowed openers are checked
+        and the rest dropped; inside a string they are all dropped (a bare ``"`` still closes it). Raw
+        text opens nothing (its only way out is its end tag)."""
         v = self.vocab
-        candidates = v.openers_in if self._lexer[0] else v.openers_out
-        allowed = candidates[_bits_at(self._bits, candidates)]
+        if self._raw:
+            return
+        in_string = self._lexer[0]
+        allowed_ids = None if in_string else allowed_token_ids(self.bitmask, v.vocab_size)
+        if allowed_ids is not None and allowed_ids.size <= self.max_checked_openers:
+            allowed, num_checked = allowed_ids, allowed_ids.size
+        else:
+            candidates = v.openers_in if in_string else v.openers_out
+            allowed = candidates[_bits_at(self._bits, candidates)]
+            num_checked = 0 if in_string else self.max_checked_openers
         if allowed.size == 0:
             return
-        unsafe = []
-        if self._lexer[0]:
-            unsafe = allowed.tolist()
-        else:
-            for token in allowed[:self.max_checked_openers].tolist():
-                self.matcher.accept_token(token)
-                lexer = self._lexer
-                self._lexer = _lex(v.decoded[token], *lexer)
-                try:
-                    needed = self.closing_length(remaining)
-                finally:
-                    self._lexer = lexer
-                    self.matcher.rollback(1)
-                if needed + self.margin > remaining - 1:
-                    unsafe.append(token)
-            unsafe.extend(allowed[self.max_checked_openers:].tolist())
+        unsafe = allowed[num_checked:].tolist()
+        for token in allowed[:num_checked].tolist():
+            if self._fits_after(token, remaining):
+                continue
+            unsafe.append(token)
+        if len(unsafe) == allowed.size and allowed_ids is not None and allowed_ids.size == allowed.size:
+            return  # every choice is too long: leave them, closing starts next (it may still fit)
         if unsafe:
             ids = np.array(unsafe, dtype=np.int64)
             words = self._bits.view(np.uint32)
             np.bitwise_and.at(words, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
 
+    def _fits_after(self, token: int, remaining: int) -> bool:
+        """Whether the closing still fits the budget once ``token`` is taken (one dry run)."""
+        if token in self.stop_token_ids:
+            return True
+        self.matcher.accept_token(token)
+        lexer, tail = self._lexer, self._tail
+        self._lexer, self._tail = _advance(self.vocab.decoded[token], lexer, tail, self._boundaries)
+        try:
+            needed = self.closing_length(remaining)
+        finally:
+            self._lexer, self._tail = lexer, tail
+            self.matcher.rollback(1)
+        return needed + self.margin <= remaining - 1
+
     def _stop_allowed(self, bits: np.ndarray) -> bool:
         return any(_allowed(bits, t) for t in self.stop_token_ids)
 
-    def _closing_token(self, bits: np.ndarray, in_string: bool, escaped: bool) -> int:
+    def _is_raw(self, bits: np.ndarray) -> bool:
+        """Raw text (free text, or a tag's content such as GLM's string ``<arg_value>``): the probes
+        and a newline are allowed, which no JSON string allows."""
+        probes = self.vocab.raw_probes
+        return bool(probes) and all(_allowed(bits, t) for t in probes)
+
+    def _closing_token(self, bits: np.ndarray, lexer: tuple[bool, bool], tail: bytes) -> int:
         """The closing policy's token for the state whose mask is ``bits`` (see the module docstring)."""
         for token in self.stop_token_ids:
             if _allowed(bits, token):
@@ -487,17 +555,22 @@ class ConstrainedDecoder:
             token = self._longest_prefix_token(bits, jump)
             if token is not None:
                 return token
-        free = bool(v.probes) and all(_allowed(bits, t) for t in v.probes)
-        if in_string and not escaped:
-            candidates = v.string_closers
-        elif free:  # raw text (a tag's content): head for an end tag
-            for end in self._ends:
-                token = self._longest_prefix_token(bits, end)
-                if token is not None:
-                    return token
+        in_string, escaped = lexer
+        if self._is_raw(bits):  # raw text: head for the innermost end tag
+            token = self._end_token(bits, tail)
+            if token is not None:
+                return token
             candidates = v.struct_closers
-        else:  # JSON structure: close what is open, else move on to the next member or value
-            candidates = v.struct_closers + v.commas + v.string_closers
+        elif in_string and not escaped:
+            candidates = v.string_closers
+        else:  # JSON or tag structure: close what is open, else move on to the next member or value
+            for token in v.struct_closers:
+                if _allowed(bits, token):
+                    return token
+            token = self._end_token(bits, tail)
+            if token is not None:
+                return token
+            candidates = v.commas + v.string_closers
         for token in candidates:
             if _allowed(bits, token):
                 return token
@@ -514,6 +587,18 @@ class ConstrainedDecoder:
         if allowed.size == 0:
             raise ValueError("the grammar allows no token here")
         return int(allowed[0])
+
+    def _end_token(self, bits: np.ndarray, tail: bytes) -> int | None:
+        """The longest allowed token that writes on an end string (innermost first): continuing it where
+        ``tail`` already holds its start, else beginning it."""
+        for end in self._ends:
+            for k in range(min(len(end) - 1, len(tail)), -1, -1):
+                if k and not tail.endswith(end[:k]):
+                    continue
+                token = self._longest_prefix_token(bits, end[k:])
+                if token is not None:
+                    return token
+        return None
 
     def _longest_prefix_token(self, bits: np.ndarray, text: bytes) -> int | None:
         by_bytes = self.vocab.by_bytes
