@@ -17,8 +17,9 @@ import pytest
 from services.edge.text import IncrementalDetokenizer
 from services.edge.tools import validate_tools
 from services.edge.tools.render import render_messages
-from tests.conformance.tool_calls.corpus_unicode import (ACCENTED, BAD_NAMES, BY_NAME, LITERALS, NFC_E, NFD_E,
-                                                         TOOLS, raw_in, strings_in)
+from tests.conformance.tool_calls.corpus_unicode import (ACCENTED, BAD_NAMES, BY_NAME, DONE, FAMILY, FLAG_JP, FLAG_KR,
+                                                         LITERALS, NFC_E, NFD_E, RTL_CONST, TOOLS, raw_in,
+                                                         strings_in)
 from tests.conformance.tool_calls.harness import Answer, ask, ask_both, check_calls, named
 
 MAX_TOKENS = 384
@@ -120,6 +121,44 @@ def test_detokenizer_never_splits_or_drops_bytes(tiny_model):
         assert tokenizer.decode(ids) == text
 
 
+LONGEST = {  # each tool's longest call (the sim's draws prefer its tokens): every enum's longest value
+    "react_with_emoji": {"emoji": FAMILY, "😀_count": 3, "flags": [FLAG_KR, FLAG_JP]},
+    "set_region": {"도시": "北京市", "언어": "العربية", "marker": DONE},
+    "greet_rtl": {"تحية": "שלום עולם 👋", "כיוון": RTL_CONST},
+}
+
+
+@pytest.mark.parametrize("name", sorted(LONGEST))
+def test_closing_fits_when_enum_values_part_inside_a_character(tiny_model, name):
+    """Enum values that share their first bytes and part inside a character (👨‍👩‍👧‍👦 and 👍🏽 share
+    F0 9F 91): a draw of the longer one's byte raises the closing length by twenty tokens, more than the
+    margin. With a budget inside the closing window that fits the first estimate, every seeded draw still
+    ends the grammar within the budget (the few allowed bytes inside the string are checked by a dry run)."""
+    from services.edge.tools import build_constraint
+    from services.worker.engines.grammar import GrammarCache
+    from services.worker.engines.sim_worker import draw_constrained
+    from shared.schema import Structured
+
+    cache = GrammarCache(str(tiny_model))
+    spec = build_constraint("hermes", validate_tools([BY_NAME[name]], named(name)))
+    arguments = json.dumps(LONGEST[name], ensure_ascii=False)
+    preferred = cache.tokenizer.encode(f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>',
+                                       add_special_tokens=False)
+    first = cache.decoder(Structured(spec.kind, spec.spec, 128), 128).closing_length()
+    failed = []
+    for max_tokens in range(first + 1, 129, 4):
+        for seed in range(12):
+            decoder = cache.decoder(Structured(spec.kind, spec.spec, 128), max_tokens)
+            rng = random.Random(seed)
+            for i in range(max_tokens):
+                if decoder.is_terminated():
+                    break
+                draw_constrained(decoder, rng, preferred, max_tokens - i)
+            if not decoder.is_terminated():
+                failed.append((max_tokens, seed))
+    assert not failed, f"{name}: the grammar did not end within the budget (first estimate {first}): {failed}"
+
+
 # ---------------------------------------------------------------- through the mesh
 @pytest.mark.e2e
 async def test_non_ascii_names_are_400_naming_the_param(tool_mesh):
@@ -190,19 +229,24 @@ async def test_required_and_parallel_calls_over_unicode_tools(tool_mesh):
 
 
 BUDGET_TOOLS = ("write_note", "register_name", "set_region", "react_with_emoji")
+CLOSE_WITHIN = 128  # the `client` edge's tool_close_within; each BUDGET_TOOLS call closes within it
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("closing", ["on", "off"])
 async def test_small_budgets_cut_or_close_inside_multibyte_strings(tool_mesh, closing):
-    """max_tokens 48-96: with closing on, calls that finish validate; off, cut calls are a JSON prefix of
-    whole characters (U+FFFD only as the very last character, for a cut inside one); both agree streamed."""
+    """Budgets from 48 tokens (the tiny tokenizer spells each non-ASCII byte as a token, so a call of these
+    tools takes 85-120 tokens at the least): with closing on, a budget within the closing window finishes the
+    call whenever a smaller one did (the first estimate decides, the same for every budget), 128 always, and
+    what finishes validates, its strings cut short inside multi-byte text; off, cut calls are a JSON prefix
+    of whole characters (U+FFFD only as the last character, for a cut inside one). Streamed = plain."""
     client = tool_mesh.client if closing == "on" else tool_mesh.client_off
     names = BUDGET_TOOLS if tool_mesh.engine == "sim" else BUDGET_TOOLS[1:2]
-    budgets = range(48, 97, 6) if tool_mesh.engine == "sim" else (64, 96)
-    closed = cut = 0
+    budgets = [*range(48, CLOSE_WITHIN, 8), CLOSE_WITHIN, 160] if tool_mesh.engine == "sim" else [64, CLOSE_WITHIN]
+    closed, cut, cut_in_character = [], 0, 0
     for name in names:
         tool = BY_NAME[name]
+        finished = []
         for max_tokens in budgets:
             plain, streamed = await ask_both(client, messages=USER, tools=[tool], tool_choice=named(name), seed=2,
                                              max_tokens=max_tokens)
@@ -210,17 +254,22 @@ async def test_small_budgets_cut_or_close_inside_multibyte_strings(tool_mesh, cl
             assert plain.finish_reason in ("tool_calls", "length")
             if plain.finish_reason == "tool_calls":
                 _check_kept(plain, [tool])
-                closed += 1
+                finished.append(max_tokens)
+                closed.append(plain.tool_calls[0]["arguments"])
                 continue
             for call in plain.tool_calls:
                 arguments = call["arguments"]
                 assert arguments.startswith("{") and "\ufffd" not in arguments[:-1], arguments
                 cut += 1
-    print(f"\nclosing {closing}: {closed} finished, {cut} cut")
-    if closing == "on":
-        assert closed, "closing finished no call"
-    else:
-        assert cut, "no budget cut a call"
+                cut_in_character += arguments.endswith("\ufffd")
+        if closing == "on":
+            within = [b for b in budgets if b <= CLOSE_WITHIN]
+            assert CLOSE_WITHIN in finished and within[len(within) - len([b for b in finished if b in within]):] \
+                == [b for b in finished if b in within], (name, finished)
+    print(f"\nclosing {closing}: {len(closed)} finished, {cut} cut ({cut_in_character} inside a character)")
+    for arguments in closed[:8]:
+        print("  ", arguments)
+    assert closed if closing == "on" else cut
 
 
 @pytest.mark.e2e
