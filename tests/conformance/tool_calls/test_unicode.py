@@ -259,7 +259,9 @@ async def test_small_budgets_cut_or_close_inside_multibyte_strings(tool_mesh, cl
                 continue
             for call in plain.tool_calls:
                 arguments = call["arguments"]
-                assert arguments.startswith("{") and "\ufffd" not in arguments[:-1], arguments
+                # glm streams whole pairs only: a call cut before its first pair has no arguments yet
+                assert arguments.startswith("{") or (tool_mesh.fmt == "glm" and not arguments), arguments
+                assert "\ufffd" not in arguments[:-1], arguments
                 cut += 1
                 cut_in_character += arguments.endswith("\ufffd")
         if closing == "on":
