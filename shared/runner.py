@@ -44,15 +44,23 @@ async def serve(name: str, config: BusConfig, build: Callable[[Bus], Service | A
     # keep it out of the collector's scans so per-request garbage collection stays short.
     gc.collect()
     gc.freeze()
+    # a service that can fail on its own (a worker whose engine will not restart) sets ``fatal``: stop, exit 1
+    fatal: asyncio.Event | None = getattr(service, "fatal", None)
+    waits = [asyncio.ensure_future(e.wait()) for e in (stop, fatal) if e is not None]
     try:
-        await stop.wait()
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        for wait in waits:
+            wait.cancel()
         # Bounded: with NATS gone, unsubscribe/drain could wait for a reconnect forever.
         for step in (service.stop, bus.close):  # type: ignore[union-attr]
             try:
                 await asyncio.wait_for(step(), STOP_TIMEOUT_S)
             except (asyncio.TimeoutError, Exception) as exc:
                 logging.getLogger(name).warning("shutdown step did not finish cleanly: %r", exc)
+    if fatal is not None and fatal.is_set() and not stop.is_set():
+        logging.getLogger(name).critical("%s failed on its own: exiting 1 (a supervisor restarts it)", name)
+        raise SystemExit(1)
 
 
 def main(name: str, config_type: type[C], build: Callable[[C, Bus], Service], argv: Sequence[str] | None = None) -> None:

@@ -5,6 +5,14 @@
     edge --AbortRequest--> <ns>.worker.<id>.abort
 
 A request whose edge dies is aborted and reported on the orphans stream (``orphans.py``).
+
+An engine that dies (``Engine.died``: its process killed, a crash, out of memory) is replaced in-process:
+
+    engine died --> stop taking requests (unsubscribe generate: NATS answers no-responders, retryable)
+                --> fail the running ones (worker_unavailable, retryable) --> leave the registry
+                --> stop the dead engine, start a fresh one (``engine_restart.py``: at once, then backoff)
+                --> a fresh KV log, a new ``started_at``, take requests, register again
+    too many failures in a row --> ``fatal`` is set: the process exits 1 and its supervisor restarts it
 """
 
 from __future__ import annotations
@@ -18,8 +26,9 @@ from nats.aio.msg import Msg
 from opentelemetry.trace import Status, StatusCode
 
 from services.worker.config import WorkerConfig
+from services.worker.engine_restart import EngineRestartPolicy
 from services.worker.engines import Engine, EngineRequestError, EngineSpec, create_engine
-from services.worker.engines.base import PromptTokens
+from services.worker.engines.base import EngineDead, PromptTokens
 from services.worker.orphans import OrphanReaper
 from shared import schema
 from shared.bus import Bus, TokenStreamSender, is_reply_inbox
@@ -56,6 +65,13 @@ class WorkerService:
         self._num_finished = 0
         self._num_aborted = 0
         self._load_changed = asyncio.Event()
+        self._streams: dict[str, TokenStreamSender] = {}  # running requests' streams (failed at once if the engine dies)
+        self._generate_sub: object | None = None
+        self._kv_task: asyncio.Task[None] | None = None
+        self._keeper: asyncio.Task[None] | None = None
+        self.serving = False  # the engine is up and the worker takes requests
+        self.restarts = EngineRestartPolicy(started_at=time.monotonic())
+        self.fatal = asyncio.Event()  # the engine could not be restarted: the process should exit non-zero
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -63,33 +79,104 @@ class WorkerService:
         await self.orphans.start()  # before the first request: each is tracked from its arrival
         s = self.bus.subjects
         self._subs = [
-            await self.bus.subscribe(s.worker_generate(self.worker_id), GenerateRequest, self._on_generate),
             await self.bus.subscribe(s.worker_abort(self.worker_id), AbortRequest, self._on_abort),
             await self.bus.subscribe(s.worker_load(self.worker_id), LoadRequest, self._on_load_request),
             await self.bus.subscribe(s.worker_kv_replay(self.worker_id), KvReplayRequest, self._on_kv_replay),
             await self.bus.subscribe(s.worker_kv_snapshot(self.worker_id), KvSnapshotRequest, self._on_kv_snapshot),
         ]
-        self._registration = WorkerRegistration(self.bus, self._info, self.config.heartbeat_s, self.config.heartbeat_ttl_s,
-                                                self.config.max_loop_stall_s)
-        await self._registration.start()
-        self._background = [
-            asyncio.create_task(self._publish_load_loop(), name="load"),
-            asyncio.create_task(self._publish_kv_events_loop(), name="kv-events"),
-        ]
+        self._background = [asyncio.create_task(self._publish_load_loop(), name="load")]
+        await self._open()
+        self._keeper = asyncio.create_task(self._keep_engine(), name="engine-keeper")
         log.info("worker %s serving %s (%s engine, role %s)", self.worker_id, self.spec.model, self.engine.name, self.config.role)
 
     async def stop(self) -> None:
-        for sub in self._subs:
+        if self._keeper is not None:  # first: a stop is no death, and never restarts the engine
+            self._keeper.cancel()
+            await asyncio.gather(self._keeper, return_exceptions=True)
+        for sub in [*self._subs, *([self._generate_sub] if self._generate_sub else [])]:
             await sub.unsubscribe()  # type: ignore[attr-defined]
         if self._registration:
             await self._registration.stop()
         await self.orphans.stop()
         for task in list(self._tasks.values()):
             task.cancel()
-        for task in self._background:
+        background = [*self._background, *([self._kv_task] if self._kv_task else [])]
+        for task in background:
             task.cancel()
-        await asyncio.gather(*self._tasks.values(), *self._background, return_exceptions=True)
+        await asyncio.gather(*self._tasks.values(), *background, return_exceptions=True)
         await self.engine.stop()
+
+    # ------------------------------------------------------------ an engine that dies is replaced
+    async def _open(self) -> None:
+        """The engine is up: take requests, publish its KV events, join the registry (as a new incarnation)."""
+        s = self.bus.subjects
+        self.serving = True
+        self._generate_sub = await self.bus.subscribe(s.worker_generate(self.worker_id), GenerateRequest,
+                                                      self._on_generate)
+        self._kv_task = asyncio.create_task(self._publish_kv_events_loop(), name="kv-events")
+        self._registration = WorkerRegistration(self.bus, self._info, self.config.heartbeat_s, self.config.heartbeat_ttl_s,
+                                                self.config.max_loop_stall_s)
+        await self._registration.start()
+
+    async def _keep_engine(self) -> None:
+        """Wait for the engine to die; then close, start a fresh engine and open again, or give up."""
+        try:
+            while True:
+                reason = await self.engine.died()
+                next_start = self.restarts.died(time.monotonic())
+                log.error("worker %s: the engine died (%s): failing %d requests, leaving the registry, restarting it",
+                          self.worker_id, reason, len(self._tasks))
+                await self._close(reason)
+                if not await self._restart(next_start):
+                    log.critical("worker %s: the engine could not be restarted (%d tries): exiting", self.worker_id,
+                                 self.restarts.backoff.max_tries)
+                    self.fatal.set()
+                    return
+                await self._open()
+                log.info("worker %s serving again with a fresh engine (restart #%d)", self.worker_id,
+                         self.restarts.restarts)
+        except Exception:  # a recovery that broke half-way leaves a worker that serves nothing: a fresh process
+            log.exception("worker %s: replacing the dead engine failed: exiting", self.worker_id)
+            self.fatal.set()
+
+    async def _close(self, reason: str) -> None:
+        """Refuse new requests, fail the running ones (retryable), leave the registry."""
+        self.serving = False
+        if self._generate_sub is not None:
+            await self._generate_sub.unsubscribe()  # type: ignore[attr-defined]
+            self._generate_sub = None
+            await self.bus.nc.flush()  # from now on a generate sent here gets no-responders at once
+        message = f"worker {self.worker_id}'s engine died ({reason}); it is restarting"
+        for stream in list(self._streams.values()):
+            if not stream.closed:
+                await stream.error("worker_unavailable", message)
+        for task in list(self._tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        if self._registration is not None:
+            await self._registration.stop()  # routers drop it, edges and breakers see it leave
+            self._registration = None
+        if self._kv_task is not None:
+            self._kv_task.cancel()
+            await asyncio.gather(self._kv_task, return_exceptions=True)
+            self._kv_task = None
+
+    async def _restart(self, next_start: float | None) -> bool:
+        """Stop the dead engine and start a fresh one at ``next_start``, again on failure as the policy says."""
+        while next_start is not None:
+            await asyncio.sleep(max(0.0, next_start - time.monotonic()))  # a due time, not a poll
+            try:
+                await self.engine.stop()
+                self.spec = await self.engine.start()
+            except Exception:
+                log.exception("worker %s: starting a fresh engine failed", self.worker_id)
+                next_start = self.restarts.start_failed(time.monotonic())
+                continue
+            self.restarts.started(time.monotonic())
+            self._started_at = time.time()  # a new incarnation: edges fail whatever they still hold of the old one
+            self.kv_log = KvEventLog(self.worker_id)  # the fresh engine holds no blocks; routers load a snapshot
+            return True
+        return False
 
     def _info(self) -> WorkerInfo:
         assert self.spec is not None
@@ -111,14 +198,19 @@ class WorkerService:
             log.warning("generate %s with reply subject %r: dropped", request.request_id, raw.reply)
             return
         stream = TokenStreamSender(self.bus, raw.reply, self.worker_id, request.request_id)
+        if not self.serving:  # delivered before the unsubscribe took effect
+            await stream.error("worker_unavailable", f"worker {self.worker_id}'s engine is restarting")
+            return
         task = asyncio.create_task(self._run(request, stream), name=f"gen-{request.request_id}")
         self._tasks[request.request_id] = task
+        self._streams[request.request_id] = stream
         self.orphans.track(request.request_id, raw.reply)
         task.add_done_callback(lambda _t, rid=request.request_id: self._forget(rid))
         self._load_changed.set()
 
     def _forget(self, request_id: str) -> None:
         self._tasks.pop(request_id, None)
+        self._streams.pop(request_id, None)
         self.orphans.untrack(request_id)
 
     async def _run(self, request: GenerateRequest, stream: TokenStreamSender) -> None:
@@ -166,6 +258,10 @@ class WorkerService:
             except EngineRequestError as exc:
                 if not stream.closed:
                     await stream.error("bad_request", str(exc))
+            except EngineDead as exc:  # the keeper restarts the engine (Engine.died resolved with it)
+                span.set_status(Status(StatusCode.ERROR, str(exc)))
+                if not stream.closed:
+                    await stream.error("worker_unavailable", f"worker {self.worker_id}: {exc}; it is restarting")
             except Exception as exc:
                 log.exception("request %s failed", request.request_id)
                 span.set_status(Status(StatusCode.ERROR, str(exc)))

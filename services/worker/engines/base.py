@@ -8,6 +8,7 @@ or chat templates. The worker service drives it:
     await engine.abort(request_id)   # the generate iterator then ends with finish_reason "abort"
     engine.load()                    # running / waiting / KV blocks, cheap, any time
     async for batch in engine.kv_events(): ...   # lists of KvEvent as the block pool changes
+    await engine.died()              # returns (why) once the engine died on its own; then stop() and start() again
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from shared.schema import KvEvent, KvTransfer, SamplingParams
 
 class EngineRequestError(ValueError):
     """The engine rejected a request as invalid (the client's fault, not the engine's)."""
+
+
+class EngineDead(RuntimeError):
+    """The engine died under the request (killed, crashed, out of memory): no request runs until it is restarted."""
 
 
 class EngineHookError(RuntimeError):
@@ -104,6 +109,13 @@ class Engine(abc.ABC):
         """KV cache events; engines without them return an iterator that never yields."""
         return _never()
 
+
+    async def died(self) -> str:
+        """Return why, once the started engine has died on its own (never after ``stop``); ``generate`` raises
+        ``EngineDead`` from then on. The worker then stops it and starts it again. Engines that cannot die apart
+        from their process never return."""
+        await _never().__anext__()
+        return ""  # pragma: no cover - unreachable
 
 async def _never() -> AsyncIterator[list[KvEvent]]:
     import asyncio

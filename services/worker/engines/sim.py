@@ -210,6 +210,16 @@ class SimEngine(Engine):
     def load(self) -> EngineLoad:
         return self.worker.load()
 
+    async def died(self) -> str:
+        """The step loop raised: no request would ever get a token again. A restart runs a new loop on the same
+        core (a core left broken dies again at once, and the worker gives up: a fresh process)."""
+        runner = self._runner
+        assert runner is not None, "not started"
+        await asyncio.wait([runner])
+        if runner.cancelled():  # our own stop
+            return await super().died()
+        return f"the sim step loop died: {runner.exception()!r}"
+
     async def kv_events(self) -> AsyncIterator[list[KvEvent]]:
         while True:
             yield await self._kv_events.get()

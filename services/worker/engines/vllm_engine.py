@@ -91,6 +91,7 @@ class VllmEngine(Engine):
         self._prompt = _PromptTokenCounter()
         self._nixl_endpoint = ""
         self._spawned: Any = None  # priority.SpawnedProcesses: the engine's own processes
+        self._core_watch: Any = None  # vllm_core_watch.CoreWatch: notices that the engine core died
         self._fault_listener: Any = None  # hook_faults.FaultListener: our in-engine hooks' per-request failures
         self._hook_faults: dict[str, str] = {}  # request id -> why our hook failed it
         self._fault_aborts: set[asyncio.Task[None]] = set()
@@ -132,7 +133,12 @@ class VllmEngine(Engine):
             engine_env[SOCKET_ENV] = self._fault_listener.start()
         self._spawned = SpawnedProcesses()  # what vLLM starts now: its engine core (and theirs)
         with _environment(engine_env):  # read while vLLM configures itself and by the processes it starts
-            self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._prompt.logger_factory()])
+            # in a thread: a restart after the engine died must not stall the worker's loop for the engine's start
+            self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args,
+                                                stat_loggers=[self._prompt.logger_factory()])
+        from services.worker.engines.vllm_core_watch import CoreWatch
+
+        self._core_watch = CoreWatch(self._llm)
         vllm_config = self._llm.vllm_config
         self._num_kv_blocks = int(vllm_config.cache_config.num_gpu_blocks or 0)
         self._block_size = int(vllm_config.cache_config.block_size)
@@ -185,6 +191,8 @@ class VllmEngine(Engine):
                                 kv_connector_extra_config={"num_threads": c.nixl_threads})
 
     async def stop(self) -> None:
+        if self._core_watch is not None:
+            self._core_watch.close()  # our own stop is no death
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
@@ -198,6 +206,9 @@ class VllmEngine(Engine):
         if self._kv_subscriber is None:
             return super().kv_events()
         return self._kv_subscriber.batches()
+
+    async def died(self) -> str:
+        return await self._core_watch.died()
 
     def _sampling(self, sampling: SamplingParams, kv_transfer_params: dict[str, Any] | None = None,
                   request_id: str = "") -> Any:
@@ -226,6 +237,7 @@ class VllmEngine(Engine):
     ) -> AsyncIterator[EngineOutput]:
         from vllm.exceptions import VLLMValidationError
         from vllm.inputs import tokens_input
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         state = _Running(len(prompt_token_ids))
         self._running[request_id] = state
@@ -257,6 +269,8 @@ class VllmEngine(Engine):
             self._raise_if_hook_failed(request_id)
             # vLLM ends an aborted request's stream without a finished output
             yield EngineOutput([], "abort", len(prompt_token_ids), num_cached)
+        except EngineDeadError as exc:  # vLLM fails every request of a dead engine core with it
+            raise self._core_watch.dead("a request failed with EngineDeadError (the engine core stopped)") from exc
         finally:
             self._running.pop(request_id, None)
             self._aborted.discard(request_id)
@@ -287,7 +301,7 @@ class VllmEngine(Engine):
         return None
 
     async def abort(self, request_id: str) -> None:
-        if request_id in self._running and self._llm is not None:
+        if request_id in self._running and self._llm is not None and not self._core_watch.is_dead:
             self._aborted.add(request_id)
             await self._llm.abort(request_id)
 
