@@ -492,7 +492,8 @@ class ConstrainedDecoder:
         """Clear from the mask the tokens that open structure whose closing might no longer fit once
         sampled: one such token (``,`` before a required object, the ``a`` of GLM's ``<arg_key>`` of an
         optional argument) can raise the closing length by more than any margin. Where only a few tokens
-        are allowed outside a string and raw text (a choice between structures) each is checked by a dry
+        are allowed outside raw text (a choice between structures, or inside a string between enum values
+        that part mid-string: 👨‍👩‍👧‍👦 and 👍🏽 share their first three bytes) each is checked by a dry
         run. Otherwise, outside a string, the first ``max_checked_openers`` allowed openers are checked
         and the rest dropped; inside a string they are all dropped (a bare ``"`` still closes it). Raw
         text opens nothing (its only way out is its end tag)."""
@@ -500,7 +501,7 @@ class ConstrainedDecoder:
         if self._raw:
             return
         in_string = self._lexer[0]
-        allowed_ids = None if in_string else allowed_token_ids(self.bitmask, v.vocab_size)
+        allowed_ids = allowed_token_ids(self.bitmask, v.vocab_size)
         if allowed_ids is not None and allowed_ids.size <= self.max_checked_openers:
             allowed, num_checked = allowed_ids, allowed_ids.size
         else:
