@@ -155,3 +155,20 @@ def test_string_length_bounds_reach_the_grammar_as_a_pattern_xgrammar_compiles_c
     assert nested["properties"]["a"]["items"] == fixed and nested["$defs"]["n"]["anyOf"][0] == fixed
     assert grammar_schema({"type": "string", "maxLength": 3, "enum": ["ab"]}) == {
         "type": "string", "maxLength": 3, "enum": ["ab"]}  # an enum already says exactly what is allowed
+
+
+def test_a_glm_length_bounded_value_holds_no_end_tag_and_no_edge_whitespace():
+    """Under glm a maxLength string (a pattern) admitted ``</arg_value>`` as text: closing wrote it until the
+    maxLength (``<arg_value></arg_value></arg_value>...``) and the parser cut the value at the first one. And
+    whitespace around the value was both the grammar's and the value's (stripping it broke a minLength)."""
+    subject = {"type": "object", "properties": {"s": {"type": "string", "minLength": 3, "maxLength": 12}},
+               "required": ["s"]}
+    grammar = build_constraint("glm", validate_tools([{"type": "function", "function": {
+        "name": "mail", "parameters": subject}}], "required")).compile()
+    assert accepts(grammar, glm("mail", s="a b c"))
+    assert accepts(grammar, glm("mail", s=" abc\t"))  # the grammar's whitespace around "abc"
+    assert not accepts(grammar, glm("mail", s="ab</arg_value>"))
+    assert not accepts(grammar, glm("mail", s=" ab "))  # "ab": too short, whatever the whitespace
+    hermes_grammar = build_constraint("hermes", validate_tools([{"type": "function", "function": {
+        "name": "mail", "parameters": subject}}], "required")).compile()
+    assert accepts(hermes_grammar, hermes("mail", '{"s": " a<b "}'))  # JSON strings keep both

@@ -139,7 +139,7 @@ def test_name_prefix_of_another_name_waits():
     parser = make_parser("glm", TOOLS, "r")
     assert parser.feed("<tool_call>get") == []  # "get" or "getter"? not yet known
     first = parser.feed("\n")
-    assert first == [ToolCallDelta(index=0, id="call_r_0", name="get")]
+    assert first == [ToolCallDelta(index=0, id="call_r_0", name="get", arguments="{")]
 
 
 def test_partial_tag_not_leaked_then_released():
@@ -197,3 +197,12 @@ def test_glm_constrained_strings_lose_the_grammars_whitespace_and_plain_ones_kee
     _, result = parser.finish("stop")
     assert json.loads(result.tool_calls[0]["function"]["arguments"]) == {
         "unit": "EUR", "code": "ab", "day": "2024-01-02", "text": " hi \n", "either": " x "}
+
+
+@pytest.mark.parametrize("seed", [None, 0, 1])
+def test_a_glm_call_cut_before_its_first_pair_has_arguments_that_start_json(seed):
+    """Seen on the sim with glm: a call cut before its first complete pair came back with arguments "" (not a
+    JSON prefix, unlike hermes' "{..."); its arguments now start with "{" as soon as it is named."""
+    deltas, result = run("glm", "<tool_call>weather\n<arg_key>ci", "length", seed)
+    check_deltas_match(deltas, result)
+    assert [c["function"]["arguments"] for c in result.tool_calls] == ["{"] and result.finish_reason == "length"

@@ -139,39 +139,62 @@ _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "depe
 _SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "unevaluatedProperties")
 
 
-def grammar_schema(schema: Any) -> Any:
+def grammar_schema(schema: Any, fmt: str = "hermes") -> Any:
     """The schema as the grammar gets it: a copy where string length bounds become a pattern.
 
     xgrammar 0.2.8 compiles ``minLength``/``maxLength`` into a string rule that admits raw control
     characters (a tab, U+001C) and no escapes, which is not JSON (checked: ``"a<TAB>b"`` accepted,
     ``"a\\nb"`` refused). The pattern ``^[^\\x00-\\x1f"\\\\]{min,max}$`` keeps the bounds and
     admits only characters that need no escaping, so the arguments are valid JSON that satisfies the
-    declared schema (validation uses the original)."""
+    declared schema (validation uses the original).
+
+    For ``glm`` (a raw value between ``<arg_value>`` tags, up to ``MAX_WHITESPACE`` whitespace allowed
+    around it) the pattern also refuses ``<`` (else ``</arg_value>`` is text of the value: the closing
+    wrote it until maxLength, and the parser ends the value at the first one) and whitespace as the
+    first or last character (else the grammar's whitespace and the value's are one, and stripping it
+    breaks a minLength)."""
     if isinstance(schema, list):
-        return [grammar_schema(item) for item in schema]
+        return [grammar_schema(item, fmt) for item in schema]
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
     for key in _SCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [grammar_schema(item) for item in out[key]]
+            out[key] = [grammar_schema(item, fmt) for item in out[key]]
     for key in _SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {name: grammar_schema(item) for name, item in out[key].items()}
+            out[key] = {name: grammar_schema(item, fmt) for name, item in out[key].items()}
     for key in _SCHEMA_ONE:
         if isinstance(out.get(key), (dict, list)):
-            out[key] = grammar_schema(out[key])
+            out[key] = grammar_schema(out[key], fmt)
     bounded = "minLength" in out or "maxLength" in out
     types = out.get("type")
     is_string = types == "string" or (isinstance(types, list) and "string" in types)
     if bounded and is_string and not any(k in out for k in ("pattern", "format", "enum", "const")):
         low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
-        out["pattern"] = '^[^\\x00-\\x1f"\\\\]{%d,%s}$' % (low, "" if high is None else int(high))
+        high = None if high is None else int(high)
+        if fmt == "glm":
+            out["pattern"] = _glm_length_pattern(low, high)
+        else:
+            out["pattern"] = '^[^\\x00-\\x1f"\\\\]{%d,%s}$' % (low, "" if high is None else high)
     return out
 
 
+def _glm_length_pattern(low: int, high: int | None) -> str:
+    """Strings of ``low``..``high`` characters without control characters, ``"``, ``\\`` or ``<``, whose
+    first and last characters are not spaces either: ``E``, ``E C{n-2} E``."""
+    inner, edge = '[^\\x00-\\x1f"\\\\<]', '[^\\x00-\\x20"\\\\<]'
+    if high is not None and high < 2:
+        return "^$" if high <= 0 else ("^%s$" % edge if low >= 1 else "^%s?$" % edge)
+    span = "{%d,%s}" % (max(low - 2, 0), "" if high is None else high - 2)
+    if low >= 2:
+        return "^%s%s%s%s$" % (edge, inner, span, edge)
+    body = "%s(%s%s%s)?" % (edge, inner, span, edge)
+    return "^%s$" % body if low == 1 else "^(%s)?$" % body
+
+
 def _tool_spec(fmt: str, tools: ToolSpec, json_answer: ResponseFormat | None) -> str:
-    functions = [{"type": "function", "function": {"name": t.name, "parameters": grammar_schema(t.parameters)}}
+    functions = [{"type": "function", "function": {"name": t.name, "parameters": grammar_schema(t.parameters, fmt)}}
                  for t in tools.tools]
     if tools.choice in ("auto", "required"):
         choice: Any = tools.choice if json_answer is None else "required"

@@ -23,8 +23,9 @@ Rules:
 - Ids: ``call_<id_prefix>_<index>``, index counting calls from 0; the id and name come on a call's first delta.
 - Truncation (the response ends with a call open): a call whose name is complete is reported with the
   arguments streamed so far (a JSON prefix, not valid JSON), after flushing what was held back: for hermes the
-  raw arguments text (or, when only ``\\n</tool_call>`` was missing, the complete arguments); for glm the
-  complete pairs, closed with ``}`` only when the model had started ``</tool_call>``. A call whose name is not
+  raw arguments text (or, when only ``\\n</tool_call>`` was missing, the complete arguments); for glm ``{``
+  and the complete pairs, closed with ``}`` only when the model had started ``</tool_call>`` (a glm call's
+  arguments start with ``{`` as soon as it is named, so a cut one is never ``""``). A call whose name is not
   complete yet is dropped (neither content nor a call); for hermes the name counts as complete once the first
   character of the arguments is there (``{"name": "f", "arguments": `` alone is dropped). finish_reason stays "length" (or what was given).
 - Malformed calls (impossible under the grammar): a body that cannot be a call of a declared tool is
@@ -184,11 +185,11 @@ class ToolCallParser:
         out.append(ContentDelta(text))
 
     # ------------------------------------------------------------ calls
-    def _start_call(self, name: str, out: list[Delta]) -> _Call:
+    def _start_call(self, name: str, out: list[Delta], arguments: str = "") -> _Call:
         index = len(self.calls)
-        call = _Call(index=index, id=f"call_{self.id_prefix}_{index}", name=name)
+        call = _Call(index=index, id=f"call_{self.id_prefix}_{index}", name=name, arguments=arguments)
         self.calls.append(call)
-        out.append(ToolCallDelta(index=index, id=call.id, name=name))
+        out.append(ToolCallDelta(index=index, id=call.id, name=name, arguments=arguments))
         return call
 
     def _add_arguments(self, call: _Call, text: str, out: list[Delta]) -> None:
@@ -311,7 +312,8 @@ class GlmParser(ToolCallParser):
                 if head is None and re.fullmatch(r"\s*[a-zA-Z0-9_-]{0,64}", open_.body):
                     return False
                 return self._release_malformed(out)
-            open_.call = self._start_call(head.group(1), out)
+            # the arguments start with "{" on the call's first delta: a cut call's are a JSON prefix, never ""
+            open_.call = self._start_call(head.group(1), out, arguments="{")
             open_.pos = head.end()
         body, call = open_.body, open_.call
         while True:
@@ -319,12 +321,12 @@ class GlmParser(ToolCallParser):
             if pair is not None:
                 key, value = pair.group(1).strip(), pair.group(2)
                 piece = _dumps(key) + ": " + _dumps(_glm_value(self.schemas[call.name], key, value))
-                self._add_arguments(call, ("{" if not call.arguments else ", ") + piece, out)
+                self._add_arguments(call, ("" if call.arguments == "{" else ", ") + piece, out)
                 open_.pos = pair.end()
                 continue
             end = _GLM_END.match(body, open_.pos)
             if end is not None:
-                self._add_arguments(call, "}" if call.arguments else "{}", out)
+                self._add_arguments(call, "}", out)
                 self._close(body[end.end():], out)
                 return True
             rest = body[open_.pos:].lstrip()
@@ -342,7 +344,7 @@ class GlmParser(ToolCallParser):
         assert call is not None
         rest = open_.body[open_.pos:].strip()
         if rest and CALL_END.startswith(rest):
-            self._add_arguments(call, "}" if call.arguments else "{}", out)
+            self._add_arguments(call, "}", out)
 
 
 def _glm_value(parameters: Any, key: str, raw: str) -> Any:
