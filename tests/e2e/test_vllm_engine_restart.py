@@ -93,8 +93,8 @@ async def test_a_killed_engine_core_fails_its_stream_fast_and_the_worker_serves_
         assert failed_after_s < 5, failed_after_s  # at once, not after a deadline
 
         await eventually(lambda: any(wid == WORKER for _, wid in left), 10)  # it left the registry
-        await eventually(lambda: any(t.worker_id == WORKER and t.new == "open" and t.reason == "heartbeat"
-                                     for t in transitions), 10)
+        # opened: it left the registry ("heartbeat"), unless the edge's failed attempt had opened it first
+        await eventually(lambda: any(t.worker_id == WORKER and t.new == "open" for t in transitions), 10)
         if not any(info.worker_id == WORKER and at > killed_at for at, info in joined):  # still restarting
             assert await _generate_is_refused_at_once(probe) < 1.0
 
@@ -115,7 +115,8 @@ async def test_a_killed_engine_core_fails_its_stream_fast_and_the_worker_serves_
         await eventually(serves, 30, interval_s=0.2)
         serving_again_s = time.monotonic() - killed_at
         print(f"\nkill -> stream failed {failed_after_s:.2f} s, -> serving again {serving_again_s:.1f} s")
-        assert any(t.worker_id == WORKER and t.new == "closed" for t in transitions)  # the breaker saw it back
+        # the breaker saw it back: closed on registering again (or by its half-open probe, if it cooled down first)
+        await eventually(lambda: any(t.worker_id == WORKER and t.new == "closed" for t in transitions), 10)
     finally:
         await mesh.stop()
         await directory.stop()
