@@ -19,6 +19,7 @@ import pytest_asyncio
 from services.worker.engines.base import EngineHookError
 from services.worker.engines.hook_faults import INJECT_ENV, STAGES
 from shared.schema import SamplingParams, Structured
+from tests.utils import eventually
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 
@@ -167,6 +168,7 @@ async def test_a_failing_hook_fails_its_request_and_the_engine_serves_on(engine,
     """Each of our in-engine hooks fails on purpose for one request while healthy ones run beside it: the
     failing request ends with EngineHookError, every other one finishes valid, and the engine still serves.
     Before, an exception in the closing processor killed vLLM's EngineCore (EngineDeadError) for good."""
+    closings = engine.num_closings
     healthy = [_run(engine, prompt, _structured("structural_tag", close_within=48), seed, max_tokens=96)
                for seed in range(4)]
     faulty = [_run(engine, prompt, _faulty(stage), 0, max_tokens=96) for stage in STAGES if stage != "update"]
@@ -179,6 +181,8 @@ async def test_a_failing_hook_fails_its_request_and_the_engine_serves_on(engine,
         assert f"({stage}: RuntimeError: fault injected at {stage})" in str(result)
     ids, reason = await _run(engine, prompt, _structured("structural_tag", close_within=48), 9, max_tokens=96)
     assert reason == "stop"
+    # the processor reports each request closing took over (96 tokens are too few for the random model alone)
+    await eventually(lambda: engine.num_closings > closings, 10)
 
 
 async def test_an_enum_of_hangul_under_budget_closing(engine, tokenizer, prompt):
@@ -186,8 +190,8 @@ async def test_an_enum_of_hangul_under_budget_closing(engine, tokenizer, prompt)
     schema = {"type": "object", "properties": {"lang": {"enum": ["한국어", "한글"]}, "word": {"enum": ["사랑", "사람"]}},
               "required": ["lang", "word"], "additionalProperties": False}
     for seed in range(3):
-        ids, reason = await _run(engine, prompt, Structured("json_schema", json.dumps(schema), 48), seed,
-                                 max_tokens=32)
+        ids, reason = await _run(engine, prompt, Structured("json_schema", json.dumps(schema), 64), seed,
+                                 max_tokens=64)  # a byte-level vocabulary: 3 tokens per syllable
         assert reason == "stop"
         value = json.loads(tokenizer.decode(ids, skip_special_tokens=True))
         assert value["lang"] in ("한국어", "한글") and value["word"] in ("사랑", "사람")

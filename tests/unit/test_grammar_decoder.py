@@ -184,6 +184,12 @@ async def test_sim_engine_emits_schema_valid_output(tiny_model) -> None:
         assert tokens == [t for out in runs[1] for t in out.token_ids]
         assert runs[0][-1].finish_reason == "stop" and tokens[-1] == 1
         jsonschema.validate(json.loads(GrammarCache(str(tiny_model)).tokenizer.decode(tokens[:-1])), schema)
+        closings = eng.num_closings  # both runs forced their closing (64 tokens, a 48-token window)
+        assert closings == 2, closings
+        free = SamplingParams(max_tokens=64, seed=5, stop_token_ids=[1],
+                              structured=Structured("json_schema", json.dumps(schema), 0))
+        [out async for out in eng.generate("free", prompt, free)]
+        assert eng.num_closings == closings  # closing off: not counted
         bad = SamplingParams(max_tokens=8, structured=Structured("json_schema", "{oops"))
         with pytest.raises(EngineRequestError):
             [out async for out in eng.generate("bad", prompt, bad)]

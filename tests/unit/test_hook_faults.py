@@ -13,7 +13,8 @@ from services.worker.engines.hook_faults import SOCKET_ENV, FaultListener, HookF
 
 async def test_a_reported_fault_reaches_the_listener(monkeypatch: pytest.MonkeyPatch) -> None:
     got: asyncio.Queue[HookFault] = asyncio.Queue()
-    listener = FaultListener(got.put_nowait)
+    closings: asyncio.Queue[str] = asyncio.Queue()
+    listener = FaultListener(got.put_nowait, closings.put_nowait)
     path = listener.start()
     monkeypatch.setenv(SOCKET_ENV, path)
     try:
@@ -29,6 +30,8 @@ async def test_a_reported_fault_reaches_the_listener(monkeypatch: pytest.MonkeyP
         hook_faults.report("req-2", "build", RuntimeError("x" * 10_000))
         fault = await asyncio.wait_for(got.get(), 5)
         assert fault.request_id == "req-2" and len(fault.error) <= 1024
+        hook_faults.report_closing("req-3")
+        assert await asyncio.wait_for(closings.get(), 5) == "req-3"
     finally:
         listener.close()
     assert not os.path.exists(path)

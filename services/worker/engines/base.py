@@ -83,6 +83,7 @@ class Engine(abc.ABC):
     """One inference engine (sim or vLLM) behind the worker service."""
 
     name: str = "engine"
+    num_closings: int = 0  # requests whose budget-aware closing forced tokens (engines that know)
 
     @abc.abstractmethod
     async def start(self) -> EngineSpec: ...
@@ -109,13 +110,13 @@ class Engine(abc.ABC):
         """KV cache events; engines without them return an iterator that never yields."""
         return _never()
 
-
     async def died(self) -> str:
         """Return why, once the started engine has died on its own (never after ``stop``); ``generate`` raises
         ``EngineDead`` from then on. The worker then stops it and starts it again. Engines that cannot die apart
         from their process never return."""
         await _never().__anext__()
         return ""  # pragma: no cover - unreachable
+
 
 async def _never() -> AsyncIterator[list[KvEvent]]:
     import asyncio

@@ -1,4 +1,5 @@
-"""Failures of our code inside an engine step, contained to the one request they concern.
+"""Failures of our code inside an engine step, contained to the one request they concern (and when
+budget-aware closing took over a request, for the worker's counts).
 
 Our hooks (the budget-closing logits processor, its grammar matcher) run inside vLLM's engine step, in
 the engine-core process. An exception there would kill the engine, and with it every request in
@@ -7,9 +8,10 @@ on a UNIX socket the worker's engine binds (``FaultListener``; its path reaches 
 in the environment variable ``SOCKET_ENV``). The worker then aborts that request and fails its stream
 with a clear error; the engine serves the others on.
 
-    listener = FaultListener(on_fault)        # worker side: on_fault(HookFault) on the event loop
+    listener = FaultListener(on_fault, on_closing)  # worker side: on_fault(HookFault), on_closing(request_id)
     env = {SOCKET_ENV: listener.start()}      # before the engine starts
     report(request_id, "close", exc)          # engine side: never raises
+    report_closing(request_id)                # closing forced its first token for the request
 
 Fault injection (tests only): with ``INJECT_ENV=1`` in the engine's environment, a hook raises at
 stage S for a request whose grammar spec contains ``infermesh-fault:S`` (``injected``).
@@ -56,12 +58,23 @@ def report(request_id: str, stage: str, exc: BaseException) -> None:
     path = os.environ.get(SOCKET_ENV)
     if not path or not request_id:
         return
-    data = json.dumps({"request_id": request_id, "stage": stage, "error": describe(exc)}).encode()[:MAX_DATAGRAM]
+    _send(path, {"request_id": request_id, "stage": stage, "error": describe(exc)})
+
+
+def report_closing(request_id: str) -> None:
+    """Budget-aware closing took over ``request_id`` (counted by the worker; never raises)."""
+    path = os.environ.get(SOCKET_ENV)
+    if path and request_id:
+        _send(path, {"request_id": request_id, "closing": True})
+
+
+def _send(path: str, value: dict[str, object]) -> None:
+    data = json.dumps(value).encode()[:MAX_DATAGRAM]
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
             sock.sendto(data, path)
     except OSError as err:
-        log.error("cannot report the hook fault of %s to the worker: %s", request_id, err)
+        log.error("cannot report to the worker (%s): %s", value.get("request_id"), err)
 
 
 def injection_enabled() -> bool:
@@ -74,19 +87,24 @@ def injected(enabled: bool, stage: str, spec: str) -> None:
         raise RuntimeError(f"fault injected at {stage}")
 
 
-def parse(data: bytes) -> HookFault | None:
+def parse(data: bytes) -> HookFault | str | None:
+    """A HookFault, the request id of a closing report, or None (unreadable)."""
     try:
         value = json.loads(data)
+        if value.get("closing") is True:
+            return str(value["request_id"])
         return HookFault(str(value["request_id"]), str(value["stage"]), str(value["error"]))
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
 class FaultListener:
     """The worker's end: a datagram socket in a private temporary folder, read on the event loop."""
 
-    def __init__(self, on_fault: Callable[[HookFault], None]) -> None:
+    def __init__(self, on_fault: Callable[[HookFault], None],
+                 on_closing: Callable[[str], None] = lambda _request_id: None) -> None:
         self.on_fault = on_fault
+        self.on_closing = on_closing
         self._folder = ""
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -113,14 +131,17 @@ class FaultListener:
             except OSError as exc:
                 log.warning("hook fault socket: %s", exc)
                 return
-            fault = parse(data)
-            if fault is None:
+            event = parse(data)
+            if event is None:
                 log.warning("hook fault socket: an unreadable datagram (%d bytes) dropped", len(data))
                 continue
             try:
-                self.on_fault(fault)
+                if isinstance(event, str):
+                    self.on_closing(event)
+                else:
+                    self.on_fault(event)
             except Exception:
-                log.exception("handling the hook fault of %s failed", fault.request_id)
+                log.exception("handling the hook report %r failed", event)
 
     def close(self) -> None:
         if self._sock is not None:

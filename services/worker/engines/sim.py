@@ -210,6 +210,10 @@ class SimEngine(Engine):
     def load(self) -> EngineLoad:
         return self.worker.load()
 
+    @property
+    def num_closings(self) -> int:  # type: ignore[override]
+        return self.worker.num_closings
+
     async def died(self) -> str:
         """The step loop raised: no request would ever get a token again. A restart runs a new loop on the same
         core (a core left broken dies again at once, and the worker gives up: a fresh process)."""

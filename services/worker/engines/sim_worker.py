@@ -114,6 +114,7 @@ class SimWorker:
         self._rngs: dict[str, random.Random] = {}
         self._decoders: dict[str, ConstrainedDecoder] = {}  # requests decoding under a grammar
         self.failed: list[tuple[SimRequest, str]] = []  # requests whose grammar failed, and why (take_failed)
+        self.num_closings = 0  # requests whose budget-aware closing forced tokens
         self.busy = False  # a step is in flight
         self.num_steps = 0
         self.busy_s = 0.0
@@ -201,7 +202,8 @@ class SimWorker:
 
         for request in self.scheduler.postprocess(step.batch, sample):
             self._rngs.pop(request.request_id, None)
-            self._decoders.pop(request.request_id, None)
+            decoder = self._decoders.pop(request.request_id, None)
+            self.num_closings += decoder is not None and decoder.num_forced > 0
             if self.config.role == "prefill":
                 request.finish_reason = "remote"
         for request in failed:

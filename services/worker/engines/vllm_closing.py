@@ -284,6 +284,8 @@ class BudgetClosingLogitsProcessor(LogitsProcessor):
             return
         logits[index].fill_(float("-inf"))
         logits[index, token] = value
+        if not row.forced:
+            hook_faults.report_closing(row.request_id)
         row.forced += 1
 
 

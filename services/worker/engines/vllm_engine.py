@@ -129,7 +129,7 @@ class VllmEngine(Engine):
         from services.worker.engines.priority import SpawnedProcesses
 
         if self._fault_listener is None:
-            self._fault_listener = FaultListener(self._on_hook_fault)
+            self._fault_listener = FaultListener(self._on_hook_fault, self._on_closing)
             engine_env[SOCKET_ENV] = self._fault_listener.start()
         self._spawned = SpawnedProcesses()  # what vLLM starts now: its engine core (and theirs)
         with _environment(engine_env):  # read while vLLM configures itself and by the processes it starts
@@ -285,6 +285,9 @@ class VllmEngine(Engine):
         task = asyncio.ensure_future(self._llm.abort(fault.request_id))
         self._fault_aborts.add(task)
         task.add_done_callback(self._fault_aborts.discard)
+
+    def _on_closing(self, _request_id: str) -> None:
+        self.num_closings += 1
 
     def _raise_if_hook_failed(self, request_id: str) -> None:
         message = self._hook_faults.get(request_id)
