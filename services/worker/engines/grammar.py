@@ -51,7 +51,8 @@ the shortest allowed token never reaches the ``@``, the dry run gives up after t
 remaining budget and closing, started at once, fails. Only the first
 ``max_checked_openers`` allowed openers are checked. A budget smaller than the estimate on
 entering the window cannot be saved (small vocabularies spell keys letter by letter: set
-``close_within`` well above the longest closing). Cost: one dry run per token inside the
+``close_within`` well above the longest closing; the decoder widens a window that is smaller than
+the closing from the start plus ``WINDOW_SLACK``). Cost: one dry run per token inside the
 window, plus one per allowed opener (tens of microseconds per dry-run token).
 
 Also: xgrammar 0.2.8 compiles strings with ``maxLength``/``minLength`` to ``[^"\\\r\n]``,
@@ -85,6 +86,7 @@ _OPENERS_IN = frozenset(b",{[:")
 _PROBES = (b"x", b"q", b"z", b"Q")  # all allowed: free text (or a string), never JSON structure
 _RAW_PROBE = b"\n"  # also allowed: raw text (free text, a tag's content), never a JSON string
 TAIL_BYTES = 32
+WINDOW_SLACK = 32  # tokens added to the closing length from the start when that exceeds close_within
 
 
 @dataclass(slots=True)
@@ -373,6 +375,12 @@ class ConstrainedDecoder:
         self.num_forced = 0
         self.num_estimates = 0
         self.last_estimate: int | None = None
+        if close_within > 0:
+            # The window must exceed the longest closing, or closing starts too late to finish: a small
+            # vocabulary spells GLM's tags letter by letter, and one call's fixed text alone can take
+            # more than 128 tokens. So it is at least the closing from the start plus some slack.
+            self.close_within = max(close_within, self.closing_length() + WINDOW_SLACK)
+            self.max_dry_run = max(self.max_dry_run, self.close_within)
 
     # ------------------------------------------------------------ sampling under the grammar
     def mask(self) -> torch.Tensor:
