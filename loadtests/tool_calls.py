@@ -6,7 +6,8 @@ max_tokens 512, tool_choice ``required`` (the tool and two neighbours declared; 
 unless --parallel) and ``named`` (that tool). Counted per (closing, choice): calls, valid % (jsonschema
 Draft 2020-12 against the declared schema), undeclared names, cut % (responses with finish_reason
 "length"; and calls whose arguments are not complete JSON), and streamed vs non-streamed agreement % (same
-calls name+arguments, content and finish_reason; ids may differ). JSON + PNG under --out.
+calls name+arguments, content and finish_reason; ids may differ). Per tool-call format (--format hermes, glm
+or all: an edge per format and closing, one worker). JSON + PNG under --out.
 
     python -m loadtests.tool_calls --engine sim --out docs/results/tool_calls
     python -m loadtests.tool_calls --engine vllm --seeds 1 --out docs/results/tool_calls
@@ -29,6 +30,7 @@ import openai
 
 from infermesh.local import LocalMesh
 from infermesh.processes import free_port, nats_server_binary, wait_for_port
+from services.edge.tools import TOOL_FORMATS
 from tests.conformance.tool_calls.corpus import TOOLS, argument_errors
 from tests.conformance.tool_calls.harness import Answer, ask
 
@@ -37,7 +39,8 @@ CHOICES = ("required", "named")
 MODEL = "tiny"
 
 
-async def start_mesh(nats_url: str, engine: str, model_path: str) -> LocalMesh:
+async def start_mesh(nats_url: str, engine: str, model_path: str, formats: tuple[str, ...]) -> LocalMesh:
+    """Edge ``i * len(CLOSINGS) + j`` writes ``formats[i]`` with tool_close_within ``CLOSINGS[j]``."""
     mesh = LocalMesh(nats_url, f"tcl{uuid.uuid4().hex[:8]}")
     await mesh.start_router()
     if engine == "sim":
@@ -47,8 +50,9 @@ async def start_mesh(nats_url: str, engine: str, model_path: str) -> LocalMesh:
     else:
         await mesh.start_worker(worker_id="vllm-0", engine="vllm", model=MODEL, model_path=model_path,
                                 max_model_len=2048, cpu_core=0, heartbeat_ttl_s=60.0)
-    for close_within in CLOSINGS:
-        await mesh.start_edge(admission=False, tool_close_within=close_within)
+    for fmt in formats:
+        for close_within in CLOSINGS:
+            await mesh.start_edge(admission=False, tool_close_within=close_within, tool_call_format=fmt)
     deadline = time.monotonic() + 120
     while not all(edge.mesh.is_ready() for edge in mesh.edges):
         assert time.monotonic() < deadline, "the mesh did not get ready"
@@ -116,6 +120,7 @@ async def run_cell(client: openai.AsyncOpenAI, choice: str, seeds: int, max_toke
 
 
 def plot(report: dict, path: Path) -> None:
+    """One row of panels per format."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -125,15 +130,18 @@ def plot(report: dict, path: Path) -> None:
     labels = [f"{k}\nclose {c}" for c, k in cells]
     metrics = [("valid_pct", "valid %"), ("cut_pct", "cut % (finish length)"), ("calls_cut_pct", "calls cut %"),
                ("stream_agreement_pct", "stream = plain %")]
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.6))
-    for ax, (key, title) in zip(axes, metrics):
-        values = [report["results"][str(c)][k][key] for c, k in cells]
-        bars = ax.bar(range(len(cells)), values, color=["#2b7bba", "#2b7bba", "#d95f02", "#d95f02"])
-        ax.set_xticks(range(len(cells)), labels, fontsize=8)
-        ax.set_title(title, fontsize=10)
-        ax.set_ylim(0, 105)
-        for bar, v in zip(bars, values):
-            ax.text(bar.get_x() + bar.get_width() / 2, min(v, 100) + 1, f"{v:.1f}", ha="center", fontsize=8)
+    formats = list(report["results"])
+    fig, grid = plt.subplots(len(formats), len(metrics), figsize=(4 * len(metrics), 3.6 * len(formats)),
+                             squeeze=False)
+    for fmt, axes in zip(formats, grid):
+        for ax, (key, title) in zip(axes, metrics):
+            values = [report["results"][fmt][str(c)][k][key] for c, k in cells]
+            bars = ax.bar(range(len(cells)), values, color=["#2b7bba", "#2b7bba", "#d95f02", "#d95f02"])
+            ax.set_xticks(range(len(cells)), labels, fontsize=8)
+            ax.set_title(f"{fmt}: {title}", fontsize=10)
+            ax.set_ylim(0, 115)
+            for bar, v in zip(bars, values):
+                ax.text(bar.get_x() + bar.get_width() / 2, min(v, 100) + 1, f"{v:.1f}", ha="center", fontsize=8)
     fig.suptitle(f"tool calls, {report['engine']} engine, {report['num_schemas']} schemas x {report['seeds']} seeds, "
                  f"max_tokens {report['max_tokens']}", fontsize=10)
     fig.tight_layout()
@@ -153,18 +161,20 @@ async def main(args: argparse.Namespace) -> dict:
                              str(workdir / "nats")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         assert wait_for_port(port, 10), "nats-server did not start"
-        mesh = await start_mesh(f"nats://127.0.0.1:{port}", args.engine, model_path)
+        formats = TOOL_FORMATS if args.format == "all" else (args.format,)
+        mesh = await start_mesh(f"nats://127.0.0.1:{port}", args.engine, model_path, formats)
         try:
-            results: dict = {}
-            for i, close_within in enumerate(CLOSINGS):
+            results: dict = {fmt: {} for fmt in formats}
+            cells = [(fmt, c) for fmt in formats for c in CLOSINGS]
+            for i, (fmt, close_within) in enumerate(cells):
                 client = openai.AsyncOpenAI(base_url=mesh.url_of(i), api_key=mesh.dev_key, max_retries=0,
                                             timeout=600)
-                results[str(close_within)] = {}
+                results[fmt][str(close_within)] = {}
                 for choice in CHOICES:
                     cell = await run_cell(client, choice, args.seeds, args.max_tokens, args.concurrency,
                                           args.parallel, args.tools)
-                    results[str(close_within)][choice] = cell
-                    print(f"close_within={close_within:<3} {choice:<8} calls={cell['calls']} "
+                    results[fmt][str(close_within)][choice] = cell
+                    print(f"{fmt:<6} close_within={close_within:<3} {choice:<8} calls={cell['calls']} "
                           f"valid={cell['valid_pct']:.2f}% undeclared={cell['undeclared']} cut={cell['cut_pct']:.2f}% "
                           f"calls_cut={cell['calls_cut_pct']:.2f}% agree={cell['stream_agreement_pct']:.2f}% "
                           f"({cell['elapsed_s']} s)", flush=True)
@@ -178,7 +188,7 @@ async def main(args: argparse.Namespace) -> dict:
         "command": "python -m loadtests.tool_calls " + " ".join(sys.argv[1:]),
         "engine": args.engine, "model": "tiny random-weight Llama (infermesh.models.make_tiny_llama)",
         "num_schemas": min(args.tools, len(TOOLS)), "seeds": args.seeds, "max_tokens": args.max_tokens,
-        "parallel_tool_calls_for_required": args.parallel, "tool_call_format": "hermes",
+        "parallel_tool_calls_for_required": args.parallel, "tool_call_formats": list(formats),
         "closing": {"128": "edge tool_close_within 128 (budget-aware closing on)", "0": "off"},
         "definitions": {
             "calls": "tool calls over both responses (non-streamed and streamed) of every request",
@@ -189,13 +199,15 @@ async def main(args: argparse.Namespace) -> dict:
                                     "(name + arguments), content and finish_reason",
         },
         "machine": {"python": platform.python_version(), "platform": platform.platform()},
-        "results": results,
+        "results": results,  # format -> close_within -> choice
     }
 
 
 def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", choices=["sim", "vllm"], default="sim")
+    parser.add_argument("--format", choices=[*TOOL_FORMATS, "all"], default="all",
+                        help="the edges' tool_call_format (all: an edge per format, results per format)")
     parser.add_argument("--model-path", default="", help="the model (vllm) / tokenizer (sim); default: a tiny "
                                                          "random Llama made now")
     parser.add_argument("--seeds", type=int, default=10)
