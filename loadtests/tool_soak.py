@@ -138,8 +138,13 @@ async def send(client: openai.AsyncOpenAI, plan: Plan, timeout_s: float) -> dict
     return {"i": plan.index, "outcome": outcome, "why": why, "elapsed_s": time.monotonic() - t0}
 
 
-async def soak(client: openai.AsyncOpenAI, plans: list[Plan], concurrency: int, timeout_s: float) -> list[dict]:
+async def soak(client: openai.AsyncOpenAI, plans: list[Plan], concurrency: int, timeout_s: float,
+               log_path: Path) -> list[dict]:
+    """Every plan, ``concurrency`` at a time; each result also appended to ``log_path`` as it comes (a run
+    killed before its report keeps them)."""
     gate = asyncio.Semaphore(concurrency)
+    log_file = log_path.open("a")
+    print(f"results as they come: {log_path}", flush=True)
     done = 0
     t0 = time.monotonic()
 
@@ -148,11 +153,16 @@ async def soak(client: openai.AsyncOpenAI, plans: list[Plan], concurrency: int, 
         async with gate:
             result = await send(client, plan, timeout_s)
         done += 1
+        log_file.write(json.dumps({**result, "outcome": result["outcome"].value}, ensure_ascii=False) + "\n")
+        log_file.flush()
         if done % 50 == 0 or done == len(plans):
             print(f"{done}/{len(plans)} in {time.monotonic() - t0:.0f} s", flush=True)
         return result
 
-    return await asyncio.gather(*(one(plan) for plan in plans))
+    try:
+        return await asyncio.gather(*(one(plan) for plan in plans))
+    finally:
+        log_file.close()
 
 
 async def probe(client: openai.AsyncOpenAI, n: int = 3) -> list[str]:
@@ -276,7 +286,7 @@ async def run(args: argparse.Namespace, nats_url: str | None = None) -> dict:
                                         timeout=args.timeout_s + 30)
             t0 = time.monotonic()
             watch = RegistryWatch(mesh, t0)
-            results = await soak(client, plans, args.concurrency, args.timeout_s)
+            results = await soak(client, plans, args.concurrency, args.timeout_s, workdir / "results.jsonl")
             elapsed = time.monotonic() - t0
             probe_errors = await probe(client)
             worker = mesh.workers[0]
