@@ -51,7 +51,8 @@ async def engine(tiny_model):
     from services.worker.engines.vllm_engine import VllmEngine, VllmEngineConfig
 
     eng = VllmEngine(VllmEngineConfig(model="tiny", model_path=str(tiny_model), max_model_len=1024, cpu_core=0,
-                                      kv_events=False, enable_prefix_caching=False))
+                                      kv_events=False, enable_prefix_caching=False,
+                                      max_num_batched_tokens=256))  # a longer prompt is prefilled in chunks
     with pytest.MonkeyPatch.context() as env:  # hooks fail on purpose only for specs that ask (hook_faults.py)
         env.setenv(INJECT_ENV, "1")
         await eng.start()  # pinned to core 0; the engine restores this process's environment itself
@@ -195,3 +196,15 @@ async def test_an_enum_of_hangul_under_budget_closing(engine, tokenizer, prompt)
         assert reason == "stop"
         value = json.loads(tokenizer.decode(ids, skip_special_tokens=True))
         assert value["lang"] in ("한국어", "한글") and value["word"] in ("사랑", "사람")
+
+
+async def test_a_seeded_request_prefilled_in_chunks(engine, prompt):
+    """vLLM CPU rewinds a chunked request's generator with set_offset, which a CPU generator lacks: the step
+    raised "CPU Generator does not use offset" and the engine died (services/worker/engines/vllm_plugin.py).
+    A 700-token prompt takes three 256-token steps here."""
+    long_prompt = (prompt * 40)[:700]
+    runs = [await _run(engine, long_prompt, None, 11, max_tokens=8) for _ in range(2)]
+    assert runs[0][1] == "length" and len(runs[0][0]) == 8
+    assert runs[0] == runs[1]  # the same seed, chunked the same way: the same tokens
+    ids, reason = await _run(engine, prompt, None, 3, max_tokens=4)  # and the engine serves on
+    assert reason == "length"
