@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import jsonschema
+import numpy as np
 import pytest
 
 from services.worker.engines.grammar import ConstrainedDecoder, GrammarCache, allowed_token_ids, choose
@@ -313,3 +315,101 @@ def test_a_window_smaller_than_a_glm_call_is_widened_so_the_call_finishes(cache:
         assert decoder.close_within > 128
         assert decoder.is_terminated() and result.finish_reason == "tool_calls", (seed, result)
         jsonschema.validate(json.loads(result.tool_calls[0]["function"]["arguments"]), parameters)
+
+
+NOTE = {"type": "object", "properties": {"title": {"type": "string"}, "body": {"type": "string"}},
+        "required": ["title", "body"]}
+
+
+def _glm_tokens(cache: GrammarCache, seed: int, budget: int, close_within: int = 128) -> tuple[bytes, ConstrainedDecoder]:
+    """One decode of a write_note call under the glm grammar: (the output's bytes, the decoder)."""
+    from services.edge.tools import build_constraint, validate_tools
+
+    tools = validate_tools([{"type": "function", "function": {"name": "write_note", "parameters": NOTE}}], "required")
+    constraint = build_constraint("glm", tools)
+    tokens, decoder = decode(cache, Structured(constraint.kind, constraint.spec, close_within), seed, budget)
+    return b"".join(cache.vocab.decoded[t] for t in tokens if t != 1), decoder
+
+
+@pytest.mark.parametrize("budget", [96, 160, 512])
+def test_glm_raw_values_are_valid_utf8(cache: GrammarCache, budget: int) -> None:
+    """xgrammar's raw text (GLM's string ``<arg_value>``) accepts any bytes: on the tiny byte-level vocabulary the
+    draws wrote lone continuation bytes and lead bytes cut by ``</arg_value>``, U+FFFD for the client. Every value
+    now decodes strictly, whether it was sampled or written by closing (its dry run under the same restriction)."""
+    for seed in range(40):
+        data, decoder = _glm_tokens(cache, seed, budget)
+        text = data.decode("utf-8")  # errors="strict"
+        assert decoder.is_terminated(), (seed, text)
+        values = re.findall(rb"<arg_value>(.*?)</arg_value>", data, re.S)
+        assert len(values) == 2, (seed, text)
+        for value in values:
+            value.decode("utf-8", errors="strict")
+
+
+_PREFIXES = (b"", b"\xc2", b"\xe1", b"\xf1", b"\xe0", b"\xed", b"\xf0", b"\xf4")  # one text in each UTF-8 state
+
+
+def _completes(data: bytes) -> bool:
+    """Python's strict decoder accepts ``data`` followed by some continuation bytes (brute force)."""
+    for tail in (b"", *(bytes([c]) + b"\x80" * k for k in range(3) for c in range(0x80, 0xC0))):
+        try:
+            (data + tail).decode("utf-8")
+            return True
+        except UnicodeDecodeError:
+            pass
+    return False
+
+
+def test_utf8_states_agree_with_pythons_decoder(cache: GrammarCache) -> None:
+    from services.worker.engines import utf8_mask
+
+    assert [utf8_mask.valid_after(0, p) for p in _PREFIXES] == list(range(utf8_mask.NUM_STATES))
+    rng = random.Random(0)
+    alphabet = [0x41, 0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBF, 0xC0, 0xC2, 0xDF, 0xE0, 0xE1, 0xED, 0xEF, 0xF0, 0xF4,
+                0xF5, 0xFF]
+    for _ in range(3000):
+        data = bytes(rng.choice(alphabet) for _ in range(rng.randrange(1, 7)))
+        assert (utf8_mask.valid_after(0, data) >= 0) == _completes(data), data
+    ok = np.unpackbits(cache.vocab.utf8_ok.view(np.uint8), axis=1, bitorder="little")
+    special = set(cache.tokenizer_info.special_token_ids) | set(cache.tokenizer_info.stop_token_ids)
+    for token, text in enumerate(cache.vocab.decoded):
+        for state, prefix in enumerate(_PREFIXES):
+            assert ok[state, token] == (not text or token in special or _completes(prefix + text)), (token, state)
+
+
+def test_the_vllm_processor_keeps_glm_values_valid_utf8_outside_the_window(cache: GrammarCache) -> None:
+    """On vLLM the processor applied the decoder's mask only inside the closing window; outside it vLLM's grammar
+    alone let a glm value take any byte. Random logits under vLLM's bitmask (emulated) and the processor: the
+    output decodes strictly."""
+    import types
+
+    import torch
+    import xgrammar as xgr
+
+    from services.edge.tools import build_constraint, validate_tools
+    from services.worker.engines.vllm_closing import BudgetClosingLogitsProcessor, closing_extra_args
+
+    tools = validate_tools([{"type": "function", "function": {"name": "write_note", "parameters": NOTE}}], "required")
+    constraint = build_constraint("glm", tools)
+    structured = Structured(constraint.kind, constraint.spec, 64)
+    for seed in range(6):
+        processor = BudgetClosingLogitsProcessor.__new__(BudgetClosingLogitsProcessor)
+        processor._cache, processor._json_compiled, processor._rows, processor._inject = cache, {}, {}, False
+        processor._utf8_lists = None
+        params = types.SimpleNamespace(max_tokens=400, all_stop_token_ids={1},
+                                       extra_args=closing_extra_args(structured, "r"))
+        output: list[int] = []
+        processor._rows[0] = processor._new_row(params, None, output)
+        vllm_matcher = xgr.GrammarMatcher(cache.compile(structured), override_stop_tokens=[1])
+        bitmask = xgr.allocate_token_bitmask(1, cache.vocab_size)
+        generator = torch.Generator().manual_seed(seed)
+        while len(output) < 400 and not vllm_matcher.is_terminated():
+            logits = torch.randn(1, cache.vocab_size, generator=generator)
+            vllm_matcher.fill_next_token_bitmask(bitmask)
+            xgr.apply_token_bitmask_inplace(logits, bitmask)
+            token = int(processor.apply(logits).argmax())
+            assert vllm_matcher.accept_token(token)
+            output.append(token)
+        assert not processor._rows[0].failed and not processor._rows[0].dead
+        text = b"".join(cache.vocab.decoded[t] for t in output if t != 1).decode("utf-8")  # errors="strict"
+        assert vllm_matcher.is_terminated(), (seed, text)

@@ -58,6 +58,15 @@ window, plus one per allowed opener (tens of microseconds per dry-run token).
 Also: xgrammar 0.2.8 compiles strings with ``maxLength``/``minLength`` to ``[^"\\\r\n]``,
 which lets raw control characters in (json.loads rejects them); ``mask()`` clears tokens
 with bytes below 0x20 while inside a string.
+
+UTF-8 in raw text. xgrammar's raw text (free text, GLM's string ``<arg_value>``) accepts any bytes, so a
+byte-level vocabulary could write a lone continuation byte, or a lead byte cut off by ``</arg_value>``: the
+client got U+FFFD in string arguments (JSON strings have no such problem: xgrammar keeps them UTF-8). The
+decoder tracks the UTF-8 state of the accepted bytes (utf8_mask.py: none pending, or which continuation
+bytes the pending character still needs) and, while the mask is raw text's, clears the tokens that would
+make the text invalid (``TokenVocab.utf8_ok``, one bitmask per state; tokens without bytes stay as the
+grammar says; strict as Python's decoder). The dry run restricts its masks the same way, so the estimate
+is still exactly what closing takes.
 """
 
 from __future__ import annotations
@@ -74,6 +83,7 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
+from services.worker.engines import utf8_mask
 from services.worker.engines.call_ends import (MAX_TAGS_PRICED, CallShape, call_shape, greedy_token_count,
                                                trigger_token_ids)
 from shared.schema import Structured
@@ -111,6 +121,7 @@ class TokenVocab:
     no_control: np.ndarray  # bitmask words: the tokens without control bytes (0x00-0x1f)
     openers_out: np.ndarray  # tokens that may commit to more structure outside a string: , { [ "
     openers_in: np.ndarray  # ... inside a string: a quote followed by , { [ or :
+    utf8_ok: np.ndarray  # bitmask words per UTF-8 state (utf8_mask.py): the tokens that keep raw text valid
 
     @classmethod
     def from_tokenizer_info(cls, info: xgr.TokenizerInfo) -> TokenVocab:
@@ -140,12 +151,13 @@ class TokenVocab:
         clean = np.ones(-(-info.vocab_size // 32) * 32, dtype=np.uint8)
         clean[with_control] = 0
         no_control = np.packbits(clean, bitorder="little").view(np.int32)
+        utf8_ok = utf8_mask.ok_words(decoded, special, clean.size)
         return cls(info.vocab_size, decoded, [t for _, t in sorted(string_closers)],
                    [t for _, t in sorted(struct_closers)], order, np.array(order, dtype=np.int64), by_bytes,
                    max((len(b) for b in by_bytes), default=1),
                    [by_bytes[p][0] for p in _PROBES if p in by_bytes],
                    [by_bytes[p][0] for p in (*_PROBES, _RAW_PROBE) if p in by_bytes], by_bytes.get(b",", []), no_control,
-                   np.array(openers_out, dtype=np.int64), np.array(openers_in, dtype=np.int64))
+                   np.array(openers_out, dtype=np.int64), np.array(openers_in, dtype=np.int64), utf8_ok)
 
 
 def _lex(text: bytes, in_string: bool, escaped: bool) -> tuple[bool, bool]:
@@ -367,6 +379,8 @@ class ConstrainedDecoder:
         self._lexer = (False, False)  # JSON string state of the text since the last free-text point
         self._tail = b""  # the last TAIL_BYTES bytes accepted
         self._raw = False  # the mask at _mask_at is raw text's
+        self._utf8 = 0  # UTF-8 state of the accepted bytes (utf8_mask.py): 0, or a character is pending
+        self.utf8_restricted = False  # the mask at _mask_at had the tokens cleared that break UTF-8
         self._calls: CallShape | None = getattr(compiled, "_infermesh_calls", None)  # call_ends.py
         self._call_tail = b""  # the last bytes accepted, as many as the longest call end string
         self.made_call = False  # a call tag's end string was written
@@ -392,6 +406,8 @@ class ConstrainedDecoder:
             if self._allowed_words is not None:
                 self._bits &= self._allowed_words
             self._raw = self._is_raw(self._bits)
+            # raw text takes any bytes: keep it valid UTF-8 (JSON strings are, by xgrammar)
+            self.utf8_restricted = self._raw and utf8_mask.restrict(self._bits, self.vocab.utf8_ok[self._utf8])
             if self._lexer[0] and not self._raw and not self._stop_allowed(self._bits):
                 # xgrammar 0.2.8 lets raw control characters into strings with maxLength/minLength
                 # ([^"\\\r\n] instead of [^\0-\x1f"\\]), which json.loads rejects
@@ -409,12 +425,18 @@ class ConstrainedDecoder:
             self._call_tail = (self._call_tail + self.vocab.decoded[token_id])[-self._calls.max_end_bytes:]
             self.made_call = any(end in self._call_tail for end in self._calls.ends)
         if token_id < len(self.vocab.decoded):
-            self._lexer, self._tail = _advance(self.vocab.decoded[token_id], self._lexer, self._tail,
-                                               self._boundaries)
+            text = self.vocab.decoded[token_id]
+            self._lexer, self._tail = _advance(text, self._lexer, self._tail, self._boundaries)
+            self._utf8 = utf8_mask.advance(self._utf8, text)
         self.num_accepted += 1
 
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
+
+    @property
+    def utf8_state(self) -> int:
+        """The UTF-8 state of the accepted bytes (utf8_mask.py): 0, or which bytes a pending character needs."""
+        return self._utf8
 
     # ------------------------------------------------------------ budget-aware closing
     def forced_token(self, remaining: int) -> int | None:
@@ -432,7 +454,7 @@ class ConstrainedDecoder:
                 return None
             self.closing = True
         self.num_forced += 1
-        return self._closing_token(self._bits, self._lexer, self._tail)
+        return self._closing_token(self._bits, self._lexer, self._tail, self._raw)
 
     def _end_calls(self, remaining: int) -> int | None:
         """In free text inside the window: the stop token once a call was made and one more could not
@@ -461,16 +483,16 @@ class ConstrainedDecoder:
         policy's dry run to the stop token, on a fork of the matcher (this one is left as it was)."""
         v = self.vocab
         costs = []
-        saved = (self.matcher, self._lexer)
+        saved = (self.matcher, self._lexer, self._utf8)
         try:
             for begin in calls.begins[:MAX_TAGS_PRICED]:
                 fork = saved[0].fork()
                 if not fork.accept_string(begin):
                     continue
-                self.matcher, self._lexer = fork, (False, False)
+                self.matcher, self._lexer, self._utf8 = fork, (False, False), utf8_mask.advance(0, begin.encode())
                 costs.append(greedy_token_count(begin.encode(), v.by_bytes, v.max_token_bytes) + self.closing_length())
         finally:
-            self.matcher, self._lexer = saved
+            self.matcher, self._lexer, self._utf8 = saved
         return max(costs, default=0)
 
     def closing_length(self, limit: int | None = None) -> int:
@@ -480,16 +502,21 @@ class ConstrainedDecoder:
         limit = self.max_dry_run if limit is None else min(limit, self.max_dry_run)
         m = self.matcher
         n = 0
-        lexer, tail = self._lexer, self._tail
+        lexer, tail, utf8 = self._lexer, self._tail, self._utf8
         try:
             while not m.is_terminated():
                 if n == limit:
                     return n + 1
                 m.fill_next_token_bitmask(self._scratch)
-                token = self._closing_token(self._scratch_bits, lexer, tail)
+                raw = self._is_raw(self._scratch_bits)
+                if raw:  # as mask() restricts raw text, or the estimate would diverge from the forced path
+                    utf8_mask.restrict(self._scratch_bits, self.vocab.utf8_ok[utf8])
+                token = self._closing_token(self._scratch_bits, lexer, tail, raw)
                 if not m.accept_token(token):
                     raise AssertionError(f"closing token {token} was not accepted")  # pragma: no cover
-                lexer, tail = _advance(self.vocab.decoded[token], lexer, tail, self._boundaries)
+                text = self.vocab.decoded[token]
+                lexer, tail = _advance(text, lexer, tail, self._boundaries)
+                utf8 = utf8_mask.advance(utf8, text)
                 n += 1
             return n
         finally:
@@ -535,12 +562,13 @@ class ConstrainedDecoder:
         if token in self.stop_token_ids:
             return True
         self.matcher.accept_token(token)
-        lexer, tail = self._lexer, self._tail
+        lexer, tail, utf8 = self._lexer, self._tail, self._utf8
         self._lexer, self._tail = _advance(self.vocab.decoded[token], lexer, tail, self._boundaries)
+        self._utf8 = utf8_mask.advance(utf8, self.vocab.decoded[token])
         try:
             needed = self.closing_length(remaining)
         finally:
-            self._lexer, self._tail = lexer, tail
+            self._lexer, self._tail, self._utf8 = lexer, tail, utf8
             self.matcher.rollback(1)
         return needed + self.margin <= remaining - 1
 
@@ -553,8 +581,9 @@ class ConstrainedDecoder:
         probes = self.vocab.raw_probes
         return bool(probes) and all(_allowed(bits, t) for t in probes)
 
-    def _closing_token(self, bits: np.ndarray, lexer: tuple[bool, bool], tail: bytes) -> int:
-        """The closing policy's token for the state whose mask is ``bits`` (see the module docstring)."""
+    def _closing_token(self, bits: np.ndarray, lexer: tuple[bool, bool], tail: bytes, raw: bool) -> int:
+        """The closing policy's token for the state whose mask is ``bits`` (see the module docstring); ``raw``:
+        that mask is raw text's (told, not probed: the UTF-8 restriction may have cleared the probes)."""
         for token in self.stop_token_ids:
             if _allowed(bits, token):
                 return token
@@ -565,7 +594,7 @@ class ConstrainedDecoder:
             if token is not None:
                 return token
         in_string, escaped = lexer
-        if self._is_raw(bits):  # raw text: head for the innermost end tag
+        if raw:  # raw text: head for the innermost end tag
             token = self._end_token(bits, tail)
             if token is not None:
                 return token

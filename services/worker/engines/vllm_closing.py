@@ -38,7 +38,9 @@ Budget-aware closing (this module's logits processor)
     stop tokens as vLLM's matcher) in step with the request's output tokens, and when
     ``forced_token(remaining)`` names a token it sets every other logit to -inf. vLLM's grammar and
     ours agree, so the forced token is always one vLLM's bitmask allowed; if it is not (they
-    disagree), the processor leaves the row alone and stops tracking the request (logged).
+    disagree), the processor leaves the row alone and stops tracking the request (logged). A glm request
+    (raw ``<arg_value>`` text, where vLLM's grammar takes any bytes) gets the decoder's UTF-8 restriction at
+    every step while in raw text, not only inside the window (``_apply_utf8``).
     Agreement needs the *same* grammar: structural tags compile identically in GrammarCache, but JSON
     kinds are compiled here the way vLLM's backend does (``any_whitespace`` from the engine's
     ``disable_any_whitespace``, separators ``(",", ":")`` when disabled, json_object as the schema
@@ -133,6 +135,7 @@ class _Row:
     failed: bool = False  # our code failed for it: reported, the worker fails the request
     forced: int = field(default=0)  # how many tokens we forced (for logs/debugging)
     stage: str = "sync"  # the hook stage running (named in a fault report)
+    raw_text: bool = False  # the grammar has raw text (glm's <arg_value>): kept valid UTF-8 at every step
 
     def sync(self) -> bool:
         """Feed the decoder the tokens vLLM sampled since the last step; False while a -1 placeholder
@@ -180,6 +183,7 @@ class BudgetClosingLogitsProcessor(LogitsProcessor):
         self._json_compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._rows: dict[int, _Row] = {}
         self._inject = hook_faults.injection_enabled()
+        self._utf8_lists: tuple[torch.device, list[tuple[bool, torch.Tensor]]] | None = None  # _utf8_ids
 
     def _compile(self, structured: Structured) -> Any:
         """The request's grammar exactly as vLLM's XgrammarBackend.compile_grammar builds it, so that
@@ -231,7 +235,8 @@ class BudgetClosingLogitsProcessor(LogitsProcessor):
         decoder = ConstrainedDecoder(self._compile(structured), max_tokens, structured.close_within,
                                      sorted(params.all_stop_token_ids), vocab=self._cache.vocab,
                                      banned_token_ids=self._cache.special_token_ids)
-        return _Row(decoder, output_ids, max_tokens, request_id, structured.spec)
+        return _Row(decoder, output_ids, max_tokens, request_id, structured.spec,
+                    raw_text=structured.kind == "structural_tag" and "glm_xml" in structured.spec)
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         # No syncing here: with async scheduling the lists still end in a -1 placeholder (see above).
@@ -276,6 +281,10 @@ class BudgetClosingLogitsProcessor(LogitsProcessor):
                 row.stage = "mask"
                 hook_faults.injected(self._inject, "mask", row.spec)
                 _apply_mask(logits, index, decoder.mask())
+            elif row.raw_text:
+                row.stage = "mask"
+                hook_faults.injected(self._inject, "mask", row.spec)
+                self._apply_utf8(logits, index, decoder)
             return
         value = logits[index, token].item()
         if math.isinf(value) and value < 0:
@@ -287,6 +296,30 @@ class BudgetClosingLogitsProcessor(LogitsProcessor):
         if not row.forced:
             hook_faults.report_closing(row.request_id)
         row.forced += 1
+
+    def _apply_utf8(self, logits: torch.Tensor, index: int, decoder: Any) -> None:
+        """Outside the closing window, in raw text: -inf for the tokens that would make it invalid UTF-8 (vLLM's
+        grammar takes any bytes there). The decoder's mask says whether it is raw text; only the restriction is
+        applied, by the shorter of its allowed and disallowed id lists."""
+        decoder.mask()
+        if not decoder.utf8_restricted:
+            return
+        keep, ids = self._utf8_ids(logits.device)[decoder.utf8_state]
+        if keep:
+            values = logits[index, ids]
+            logits[index].fill_(float("-inf"))
+            logits[index, ids] = values
+        else:
+            logits[index, ids] = float("-inf")
+
+    def _utf8_ids(self, device: torch.device) -> list[tuple[bool, torch.Tensor]]:
+        if self._utf8_lists is None or self._utf8_lists[0] != device:
+            from services.worker.engines.utf8_mask import token_lists
+
+            vocab = self._cache.vocab
+            lists = [(keep, torch.from_numpy(ids).to(device)) for keep, ids in token_lists(vocab.utf8_ok, vocab.vocab_size)]
+            self._utf8_lists = (device, lists)
+        return self._utf8_lists[1]
 
 
 def _apply_mask(logits: torch.Tensor, index: int, bitmask: torch.Tensor) -> None:
