@@ -171,12 +171,15 @@ async def main(args: argparse.Namespace) -> dict:
                                             timeout=600)
                 results[fmt][str(close_within)] = {}
                 for choice in CHOICES:
+                    closings = mesh.workers[0].engine.num_closings
                     cell = await run_cell(client, choice, args.seeds, args.max_tokens, args.concurrency,
                                           args.parallel, args.tools)
+                    cell["closing_activations"] = mesh.workers[0].engine.num_closings - closings
                     results[fmt][str(close_within)][choice] = cell
                     print(f"{fmt:<6} close_within={close_within:<3} {choice:<8} calls={cell['calls']} "
                           f"valid={cell['valid_pct']:.2f}% undeclared={cell['undeclared']} cut={cell['cut_pct']:.2f}% "
                           f"calls_cut={cell['calls_cut_pct']:.2f}% agree={cell['stream_agreement_pct']:.2f}% "
+                          f"closings={cell['closing_activations']} "
                           f"({cell['elapsed_s']} s)", flush=True)
                 await client.close()
         finally:
@@ -197,6 +200,8 @@ async def main(args: argparse.Namespace) -> dict:
             "calls_cut_pct": "calls whose arguments are not complete JSON (cut by max_tokens)",
             "stream_agreement_pct": "requests whose streamed and non-streamed answers have the same calls "
                                     "(name + arguments), content and finish_reason",
+            "closing_activations": "responses (both kinds) in which budget-aware closing forced tokens "
+                                   "(Engine.num_closings)",
         },
         "machine": {"python": platform.python_version(), "platform": platform.platform()},
         "results": results,  # format -> close_within -> choice

@@ -260,7 +260,8 @@ def markdown(report: dict) -> str:
     lines += ["", f"HTTP errors: {s['http_errors'] or 'none'}.", "",
               f"Engine: restarts {e['restarts']}, registry departures {len(e['registry_events'])}, errors naming "
               f"an engine death {s['engine_death_errors']}, still registered and serving at the end: "
-              f"{e['serving_at_end']}, probe requests after the soak failed: {len(e['probe_errors'])}.", "",
+              f"{e['serving_at_end']}, probe requests after the soak failed: {len(e['probe_errors'])}; "
+              f"requests budget-aware closing took over: {e.get('closing_activations', 'not counted')}.", "",
               f"![outcomes]({Path(report['png']).name})", ""]
     return "\n".join(lines)
 
@@ -293,7 +294,8 @@ async def run(args: argparse.Namespace, nats_url: str | None = None) -> dict:
             registered = any(w.worker_id == worker.worker_id for w in mesh.edge.mesh.directory.live())
             engine = {"restarts": worker.restarts.restarts, "gave_up": worker.fatal.is_set(),
                       "registry_events": watch.events, "probe_errors": probe_errors,
-                      "serving_at_end": bool(worker.serving and registered and not probe_errors)}
+                      "serving_at_end": bool(worker.serving and registered and not probe_errors),
+                      "closing_activations": worker.engine.num_closings}
             await client.close()
         finally:
             await mesh.stop()
