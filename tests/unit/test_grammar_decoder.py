@@ -413,3 +413,33 @@ def test_the_vllm_processor_keeps_glm_values_valid_utf8_outside_the_window(cache
         assert not processor._rows[0].failed and not processor._rows[0].dead
         text = b"".join(cache.vocab.decoded[t] for t in output if t != 1).decode("utf-8")  # errors="strict"
         assert vllm_matcher.is_terminated(), (seed, text)
+
+
+def test_the_utf8_restriction_never_leaves_a_vllm_row_all_minus_inf(cache: GrammarCache) -> None:
+    """Were vLLM's grammar to allow none of the tokens that keep the text valid UTF-8 (the two grammars
+    disagreeing), the restriction must step back: a row of -inf only makes the sampler draw garbage."""
+    import types
+
+    import torch
+
+    from services.edge.tools import build_constraint, validate_tools
+    from services.worker.engines.vllm_closing import BudgetClosingLogitsProcessor, closing_extra_args
+
+    tools = validate_tools([{"type": "function", "function": {"name": "write_note", "parameters": NOTE}}], "required")
+    constraint = build_constraint("glm", tools)
+    structured = Structured(constraint.kind, constraint.spec, 64)
+    processor = BudgetClosingLogitsProcessor.__new__(BudgetClosingLogitsProcessor)
+    processor._cache, processor._json_compiled, processor._rows, processor._inject = cache, {}, {}, False
+    processor._utf8_lists = None
+    params = types.SimpleNamespace(max_tokens=400, all_stop_token_ids={1}, extra_args=closing_extra_args(structured, "r"))
+    row = processor._new_row(params, None, [])
+    decoder = row.decoder
+    text = "<tool_call>write_note<arg_key>" + next(iter(NOTE["properties"])) + "</arg_key><arg_value>"
+    assert decoder.matcher.accept_string(text)
+    decoder._raw = True
+    lead = cache.vocab.by_bytes[b"\xe2"][0]  # a three-byte character begun: only continuation bytes keep it valid
+    decoder.accept(lead)
+    logits = torch.full((1, cache.vocab_size), float("-inf"))
+    logits[0, cache.vocab.by_bytes[b"a"][0]] = 1.0  # vLLM allows only a token that would break the character
+    processor._apply_utf8(logits, 0, decoder)
+    assert not bool(torch.isneginf(logits[0]).all())

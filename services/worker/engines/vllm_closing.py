@@ -307,10 +307,16 @@ class BudgetClosingLogitsProcessor(LogitsProcessor):
         keep, ids = self._utf8_ids(logits.device)[decoder.utf8_state]
         if keep:
             values = logits[index, ids]
+            if bool(torch.isneginf(values).all()):  # vLLM's grammar allows none of them: never leave a row all -inf
+                log.warning("budget closing: vLLM's grammar allows no token that keeps the text valid UTF-8")
+                return
             logits[index].fill_(float("-inf"))
             logits[index, ids] = values
         else:
+            banned = logits[index, ids]
             logits[index, ids] = float("-inf")
+            if bool(torch.isneginf(logits[index]).all()):  # the same: put the row back
+                logits[index, ids] = banned
 
     def _utf8_ids(self, device: torch.device) -> list[tuple[bool, torch.Tensor]]:
         if self._utf8_lists is None or self._utf8_lists[0] != device:
