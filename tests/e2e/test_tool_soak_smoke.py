@@ -62,3 +62,9 @@ async def test_a_small_soak_on_the_sim_engine_answers_every_request_and_keeps_th
     assert engine["serving_at_end"] and engine["restarts"] == 0 and engine["registry_events"] == []
     assert report["summary"]["engine_death_errors"] == 0
     assert stem.with_suffix(".png").stat().st_size > 0 and "| ok_valid |" in stem.with_suffix(".md").read_text()
+    # the cut answers split by budget (loadtests/tool_soak_budget.py): every one is counted once, and on the sim
+    # (which closes by the same policy) none is cut with room for the call
+    from loadtests.tool_soak_budget import reclassify
+
+    split = reclassify(report, str(tiny_model))
+    assert sum(split.values()) == outcomes["cut"] and split.get("cut", 0) == 0, split
