@@ -11,7 +11,7 @@ import logging
 import time
 import uuid
 
-from services.edge import errors
+from shared import errors
 from shared.bus import Bus, BusError
 from shared.schema import LeaseGranted, LeaseRelease, LeaseRenew, LeaseRenewReply, LeaseReply, LeaseRequest
 

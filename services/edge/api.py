@@ -21,7 +21,7 @@ import msgspec
 from opentelemetry import trace
 from opentelemetry.propagate import extract
 
-from services.edge import errors
+from shared import errors
 from services.edge.admission import CLASSES
 from services.edge.config import EdgeConfig
 from services.edge.http import HttpRequest, JsonReply, Reply, SseReply

@@ -10,7 +10,7 @@ from litestar.exceptions import HTTPException
 from litestar.handlers import asgi
 from litestar.types import Receive, Scope, Send
 
-from services.edge import errors, http
+from shared import errors, http
 from services.edge.api import EdgeApi
 
 log = logging.getLogger("infermesh.edge")

@@ -25,7 +25,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from services.edge import errors
+from shared import errors
 
 LINGER_S = 2.0  # at most this long spent draining a rejected request's body before closing
 

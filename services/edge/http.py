@@ -27,7 +27,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from services.edge import errors
+from shared import errors
 
 log = logging.getLogger("infermesh.edge")
 JSON_HEADERS = [(b"content-type", b"application/json")]

@@ -32,7 +32,7 @@ from typing import AsyncIterator
 
 import msgspec
 
-from services.edge import errors
+from shared import errors
 from services.edge.admission import AdmissionClient
 from services.edge.config import EdgeConfig
 from services.edge.keys import KeyDirectory

@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from services.edge import errors
+from shared import errors
 from services.edge.protocol import (ChatCompletionRequest, CompletionRequest, InvalidRequest, Sampling, parse_body,
                                     validate_chat, validate_completion)
 from services.edge.tools import ToolLimits, ToolSpec, build_constraint

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from services.edge import errors
+from shared import errors
 from services.edge.prep import PrepJob, PrepPool, prepare
 
 pytestmark = [pytest.mark.integration]

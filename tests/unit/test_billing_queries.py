@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_asyn
 
 from services.metering import billing
 from services.metering.billing_api import KeyCache, KeyRecord, authorize, bearer_hash
-from services.edge.errors import ApiError
+from shared.errors import ApiError
 from services.metering.models import ApiKey, Base, Budget, Team, Usage, UsageDaily
 
 D = dt.date

@@ -10,7 +10,7 @@ import json
 import pytest
 from jsonschema import Draft202012Validator
 
-from services.edge import errors
+from shared import errors
 from services.edge.prep import Failure, PrepJob, PrepPool, peek, prepare, _run
 from services.edge.tools import ToolLimits
 from services.edge.tools import validate as tool_validate

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.edge import errors
+from shared import errors
 from services.edge.prep import engine_sampling
 from services.edge.protocol import Sampling
 

@@ -1,11 +1,11 @@
-"""services/edge/errors.py: OpenAI-shaped errors."""
+"""shared/errors.py: OpenAI-shaped errors."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
-from services.edge import errors
+from shared import errors
 
 
 @pytest.mark.parametrize(
