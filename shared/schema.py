@@ -293,6 +293,10 @@ class UsageEvent(Struct, frozen=True):
     prefill_worker_id: Annotated[str, Meta(max_length=MAX_WORKER_ID)] = ""
     trace_id: Annotated[str, Meta(max_length=MAX_TRACE_ID)] = ""
     created_at: Annotated[float, Meta(ge=0.0, le=MAX_UNIX_S)] = 0.0  # unix seconds: when the edge received it
+    # token-exact migration (services/edge/attempt.py): how often the stream moved to another worker, and the prompt
+    # (+ tokens so far) those workers recomputed: platform cost, never billed to the team
+    migrations: Count = 0
+    migration_prefill_tokens: Count = 0
 
 
 class ApiKeyRecord(Struct, frozen=True):
@@ -370,6 +374,8 @@ class BillingContext(Struct, frozen=True, kw_only=True):
     prefill_cached_tokens: Count | None = None  # a remote prefill's cache hits: the cached count billed
     trace_id: Annotated[str, Meta(max_length=MAX_TRACE_ID)] = ""
     created_at: Annotated[float, Meta(ge=0.0, le=MAX_UNIX_S)] = 0.0  # unix seconds: when the edge received it
+    migrations: Count = 0  # attempts before this one that moved the stream (their tokens are this attempt's context)
+    migration_prefill_tokens: Count = 0  # what the migrations so far recomputed (this attempt's included)
 
 
 class SignedBilling(Struct, frozen=True):
@@ -445,6 +451,9 @@ class GenerateRequest(Struct, frozen=True):
     remote_decode: bool = False  # prefill side: compute the KV and hold it for a decode worker to pull
     cache_salt: str | None = None  # the tenant's prefix-cache salt (vLLM's cache_salt)
     billing: SignedBilling | None = None  # echoed in an OrphanUsage if this request's edge dies
+    # a migrated request: the tokens earlier attempts generated. The engine computes them after the prompt and goes
+    # on from there, its seeded sampling and grammar advanced over them; its counts include them as output
+    output_token_ids: list[int] = []
 
 
 class AbortRequest(Struct, frozen=True):
