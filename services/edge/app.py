@@ -10,7 +10,8 @@ from litestar.exceptions import HTTPException
 from litestar.handlers import asgi
 from litestar.types import Receive, Scope, Send
 
-from shared import errors, http
+from services.edge import http
+from shared import errors
 from services.edge.api import EdgeApi
 
 log = logging.getLogger("infermesh.edge")

@@ -1,1 +1,0 @@
-"""Session affinity: session -> decode worker bindings shared by every edge and router replica."""
