@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infermesh.bus_roles import Role, buckets, permissions
-from infermesh.processes import ProcessGroup, free_port, wait_for_port
+from infermesh.processes import ProcessGroup
 from shared.nats_auth import NatsCredentials
+from shared.ports import free_port, wait_for_port
 from shared.subjects import Subjects
 
 SECRETS_FILE = "nats-credentials.json"

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 
-from infermesh.processes import free_port
+from shared.ports import free_port
 from loadtests.faults_load import Load, first_success_after
 from loadtests.faults_report import ledger_rows, phase_report, write_report
 

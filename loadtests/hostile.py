@@ -41,9 +41,10 @@ from pathlib import Path
 
 import msgspec
 
-from infermesh.processes import ProcessGroup, free_port, wait_for_port
+from infermesh.processes import ProcessGroup
 from loadtests.sse_client import EMPTY_CONTENT, FIRST_CONTENT, read_chunks
 from loadtests.stats import summarize_ms
+from shared.ports import free_port, wait_for_port
 
 KEY = "bench-key"
 PHASES = ("alone", "hostile", "hostile_inline")

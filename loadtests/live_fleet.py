@@ -30,13 +30,14 @@ import time
 import uuid
 from pathlib import Path
 
-from infermesh.processes import ProcessGroup, free_port
+from infermesh.processes import ProcessGroup
 from infermesh.bus_auth import admin_credentials
 from infermesh.up import MeshOptions, start_processes, wait_ready, worker_processes
 from loadtests.http_agents import LiveDriver, SafeVocab, peak_token_rate, rescale
 from loadtests.report import RequestRecord, summarize, write_markdown_table, write_report
 from loadtests.stats import percentile
 from loadtests.workloads import AgentSessions
+from shared.ports import free_port
 
 KEY = "live-fleet-key"
 MODEL = "sim-fleet"

@@ -26,11 +26,12 @@ import time
 import uuid
 from pathlib import Path
 
-from infermesh.processes import ProcessGroup, free_port, wait_for_port
+from infermesh.processes import ProcessGroup
 from loadtests.sse_client import LeanSseClient
 from loadtests.stats import summarize_ms
 from shared import schema
 from shared.bus import Bus, StreamReceiver
+from shared.ports import free_port, wait_for_port
 from shared.schema import GenerateRequest, SamplingParams, TokenChunk
 
 KEY = "bench-key"

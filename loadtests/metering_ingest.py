@@ -29,9 +29,10 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from infermesh.processes import ProcessGroup, free_port, wait_for_port
+from infermesh.processes import ProcessGroup
 from shared import schema
 from shared.bus import Bus
+from shared.ports import free_port, wait_for_port
 from shared.schema import UsageEvent
 from shared.usage import dedupe_id, ensure_usage_stream
 

@@ -35,10 +35,11 @@ from pathlib import Path
 
 import msgspec
 
-from infermesh.processes import ProcessGroup, free_port
+from infermesh.processes import ProcessGroup
 from infermesh.up import MeshOptions, start_processes, wait_ready
 from loadtests.sse_client import read_chunks
 from loadtests.stats import percentile
+from shared.ports import free_port
 
 MODEL = "sim-overload"
 KEYS = {"gold": "key-gold", "silver": "key-silver"}

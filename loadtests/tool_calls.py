@@ -29,8 +29,9 @@ from pathlib import Path
 import openai
 
 from infermesh.local import LocalMesh
-from infermesh.processes import free_port, nats_server_binary, wait_for_port
+from infermesh.processes import nats_server_binary
 from services.edge.tools import TOOL_FORMATS
+from shared.ports import free_port, wait_for_port
 from tests.conformance.tool_calls.corpus import TOOLS, argument_errors
 from tests.conformance.tool_calls.harness import Answer, ask_both
 

@@ -54,10 +54,11 @@ from pathlib import Path
 import openai
 
 from infermesh.local import LocalMesh
-from infermesh.processes import free_port, nats_server_binary, wait_for_port
+from infermesh.processes import nats_server_binary
 from loadtests.stats import percentile
 from loadtests.tool_soak_shape import Outcome, classify, read_completion, read_stream
 from loadtests.tool_soak_plan import Plan, Sizing, plan_requests
+from shared.ports import free_port, wait_for_port
 
 MODEL = "tiny"
 # words of engine death in an error message: the worker failed its requests because its engine died

@@ -10,7 +10,8 @@ from typing import AsyncIterator, Iterator
 import pytest
 import pytest_asyncio
 
-from infermesh.processes import free_port, nats_server_binary
+from infermesh.processes import nats_server_binary
+from shared.ports import free_port
 from tests.utils import wait_for_port
 
 

@@ -14,9 +14,10 @@ from pathlib import Path
 from infermesh.bus_auth import TlsFiles, load_or_create_secrets, nats_url, provision, role_credentials, server_config, \
     write_private
 from infermesh.bus_roles import Role
-from infermesh.processes import free_port, nats_server_binary
+from infermesh.processes import nats_server_binary
 from shared.bus import Bus
 from shared.nats_auth import NatsCredentials
+from shared.ports import free_port
 from shared.subjects import Subjects
 from tests.utils import wait_for_port
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from infermesh.processes import free_port
+from shared.ports import free_port
 
 
 class TcpProxy:

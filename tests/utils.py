@@ -6,7 +6,7 @@ import asyncio
 import time
 from typing import Awaitable, Callable
 
-from infermesh.processes import wait_for_port  # noqa: F401  (re-exported for tests)
+from shared.ports import wait_for_port  # noqa: F401  (re-exported for tests)
 
 
 async def eventually(check: Callable[[], bool | Awaitable[bool]], timeout_s: float, interval_s: float = 0.05) -> float:

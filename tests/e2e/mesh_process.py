@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import psutil
 
-from infermesh.processes import free_port
+from shared.ports import free_port
 
 
 @dataclass

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from infermesh.local import LocalMesh
-from infermesh.processes import free_port
+from shared.ports import free_port
 from tests.utils import eventually
 
 pytestmark = [pytest.mark.e2e]

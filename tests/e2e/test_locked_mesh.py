@@ -14,7 +14,7 @@ import pytest
 
 from infermesh import cli
 from infermesh.bus_auth import SECRETS_FILE, admin_credentials
-from infermesh.processes import free_port
+from shared.ports import free_port
 from shared.bus import Bus, BusError
 from shared.nats_auth import NatsCredentials
 from shared.schema import LoadRequest, LoadSnapshot

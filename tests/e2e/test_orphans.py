@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from infermesh.local import LocalMesh
-from infermesh.processes import free_port
+from shared.ports import free_port
 from shared import schema
 from shared.schema import StreamEnd, StreamMessage, TokenChunk
 from tests.e2e.test_metering_mesh import KEY, ledger_rows, team_key

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from infermesh.processes import free_port, nats_server_binary
+from infermesh.processes import nats_server_binary
+from shared.ports import free_port
 from tests.utils import wait_for_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from infermesh.local import LocalMesh
-from infermesh.processes import free_port
+from shared.ports import free_port
 from shared.bus import Bus
 from shared.schema import LoadRequest, LoadSnapshot
 from tests.e2e.mesh_process import UpProcess

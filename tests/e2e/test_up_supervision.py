@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from infermesh.bus_auth import admin_credentials
-from infermesh.processes import free_port
+from shared.ports import free_port
 from shared.bus import Bus
 from shared.registry import workers_bucket
 from shared.schema import WorkerInfo, decode

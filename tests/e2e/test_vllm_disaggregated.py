@@ -16,7 +16,7 @@ import uuid
 import openai
 import pytest
 
-from infermesh.processes import free_port
+from shared.ports import free_port
 from services.edge.tokenizer import ModelTokenizer
 from shared import schema
 from shared.bus import Bus

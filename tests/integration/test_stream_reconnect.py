@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from infermesh.processes import free_port, nats_server_binary
+from infermesh.processes import nats_server_binary
 from shared.bus import Bus, StreamReceiver
+from shared.ports import free_port
 from shared.schema import StreamError
 from tests.utils import eventually, wait_for_port
 

@@ -180,7 +180,7 @@ class VllmEngine(Engine):
             return None
         from vllm.config import KVTransferConfig
 
-        from infermesh.processes import free_port
+        from shared.ports import free_port
 
         port = c.nixl_port or free_port()
         engine_env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = c.nixl_host
