@@ -9,7 +9,7 @@ re-pinned (and the move counted) when the worker is::
     ineligible    live but filtered out for this request (another model or role)
     overloaded    its KV usage or queued prefill work is past the configured limit
 
-The router applies the verdict and writes the new binding with CAS (``store.py``), so two
+The router applies the verdict and writes the new binding with CAS (``session_store.py``), so two
 replicas that re-pin the same session at once end with one binding, never two.
 """
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.affinity.binding import AffinityLimits
+from services.router.affinity import AffinityLimits
 from services.router.policy import KvRoutingConfig
 from services.router.scoring import CostWeights
 from shared.config import BusConfig

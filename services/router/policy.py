@@ -5,7 +5,7 @@ the decision event) and the edge sends the request. ``KvAwarePolicy`` is the def
 
     request(block hashes, session, excluded)
       -> filters (model, role, heartbeat, breaker, excluded)        scoring.apply_filters
-      -> session bound and its worker still fit?  keep it           affinity.binding.repin_reason
+      -> session bound and its worker still fit?  keep it           affinity.repin_reason
       -> else cost per candidate (prefix overlap by tier, queued     scoring.worker_cost
          prefill, active decode KV, KV usage) -> pick               scoring.pick
       -> prefill pool (disaggregated): KV-compatible prefill workers, the same cost without decode
@@ -20,8 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from services.affinity.binding import AffinityLimits, repin_reason
 from services.router import scoring
+from services.router.affinity import AffinityLimits, repin_reason
 from services.router.index import Overlap, PrefixIndex
 from services.router.scoring import CostWeights, LoadView
 from shared.schema import SERVING_ROLES, RouteDecision, RouteRejected, RouteReply, RouteRequest, WorkerInfo

@@ -20,12 +20,12 @@ from collections import Counter
 
 from nats.aio.msg import Msg
 
-from services.affinity.store import BindingConflict, SessionStore
 from services.router.config import RouterConfig
 from services.router.index import PrefixIndex
 from services.router.kv_sync import Action, KvSyncTracker
 from services.router.policy import KvAwarePolicy, LeastLoadedPolicy, Plan, RouteView
 from services.router.scoring import LoadView
+from services.router.session_store import BindingConflict, SessionStore
 from shared.breakers import BreakerView
 from shared.bus import Bus, BusError
 from shared.registry import WorkerDirectory

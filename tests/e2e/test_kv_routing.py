@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from infermesh.local import LocalMesh
-from services.affinity.store import SessionStore
+from services.router.session_store import SessionStore
 from shared.bus import Bus
 from shared.prefix_hash import prompt_hashes
 from shared.schema import RouteDecision, RouteReply, RouteRequest

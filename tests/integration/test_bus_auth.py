@@ -17,9 +17,9 @@ from nats.js.api import StreamConfig
 
 from infermesh.bus_roles import Role
 from services.admission.store import LeaseStore
-from services.affinity.store import SessionStore
 from services.edge.keys import KeyDirectory, hash_key
 from services.metering.sync import BusViews
+from services.router.session_store import SessionStore
 from shared import schema
 from shared.breakers import BreakerView
 from shared.bus import Bus, BusError
@@ -251,7 +251,7 @@ async def test_routers_bind_sessions_and_no_other_role_can(locked):
     await store.put(SessionBinding("agent-1", "sim-0", time.time()), 0)
     assert (await store.get("agent-1"))[0].worker_id == "sim-0"
     assert locked.violations() == []
-    from services.affinity.store import session_key
+    from services.router.session_store import session_key
 
     await refused_put(locked, edge, f"$KV.{edge.subjects.sessions_bucket}.{session_key('agent-1')}")
     data, _ = await get_last(router, router.subjects.sessions_bucket, session_key("agent-1"))

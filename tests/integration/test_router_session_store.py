@@ -1,4 +1,4 @@
-"""services/affinity/store.py on real NATS: one binding per session under concurrent writers, idle TTL."""
+"""services/router/session_store.py on real NATS: one binding per session under concurrent writers, idle TTL."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from services.affinity.store import BindingConflict, SessionStore, session_key
+from services.router.session_store import BindingConflict, SessionStore, session_key
 from shared.bus import Bus
 from shared.schema import SessionBinding
 from tests.utils import eventually

@@ -1,11 +1,11 @@
-"""services/affinity/binding.py: when a session keeps its decode worker and why it is re-pinned (repin_reason,
+"""services/router/affinity.py: when a session keeps its decode worker and why it is re-pinned (repin_reason,
 AffinityLimits)."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.affinity.binding import KEEP, AffinityLimits, repin_reason
+from services.router.affinity import KEEP, AffinityLimits, repin_reason
 
 W = "w"
 

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from services.affinity.binding import AffinityLimits
+from services.router.affinity import AffinityLimits
 from services.router.index import PrefixIndex
 from services.router.policy import KvAwarePolicy, KvRoutingConfig, LeastLoadedPolicy, RouteView
 from services.router.scoring import CostWeights, LoadView
