@@ -2,9 +2,9 @@
 
 Both sides replay the same trace with matched constants (workers, KV block size and count,
 per-step token budget, max running requests, round-robin routing, the same step-time
-polynomials), and both are summarized by the same code (loadtests/report.summarize):
+polynomials), and both are summarized by the same code (loadtests/lib/report.summarize):
 
-* ``infermesh-sim (dynamo cost) Nw``: loadtests/fleet_sim.FleetSim with
+* ``infermesh-sim (dynamo cost) Nw``: loadtests/lib/fleet_sim.FleetSim with
   services/worker/engines/poly_cost.DynamoPolynomialCost as every worker's step-time model
   (the profile only names the run; every size is passed explicitly).
 * ``dynamo mocker Nw``: Dynamo's offline replay (loadtests/dynamo_crosscheck.py, run with the
@@ -17,7 +17,7 @@ polynomials), and both are summarized by the same code (loadtests/report.summari
     .venv/bin/python -m loadtests.crosscheck            # 4 and 8 workers, the whole trace
     .venv/bin/python -m loadtests.crosscheck --workers 4 --limit 500 --out-stem /tmp/cc
 
-Writes <out-stem>.json and .png (loadtests/report.write_report) and prints markdown tables.
+Writes <out-stem>.json and .png (loadtests/lib/report.write_report) and prints markdown tables.
 docs/results/dynamo_crosscheck.md explains the differences.
 """
 
@@ -34,10 +34,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from loadtests.fleet_sim import FleetConfig, FleetSim
-from loadtests.report import RequestRecord, summarize, write_markdown_table, write_report
-from loadtests.stats import percentile
-from loadtests.workloads import MooncakeTrace
+from loadtests.lib.fleet_sim import FleetConfig, FleetSim
+from loadtests.lib.report import RequestRecord, summarize, write_markdown_table, write_report
+from loadtests.lib.stats import percentile
+from loadtests.lib.workloads import MooncakeTrace
 from services.worker.engines.cost_model import load_profile
 from services.worker.engines.poly_cost import DynamoPolynomialCost
 

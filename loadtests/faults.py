@@ -27,8 +27,8 @@ from pathlib import Path
 import psutil
 
 from shared.ports import free_port
-from loadtests.faults_load import Load, first_success_after
-from loadtests.faults_report import ledger_rows, phase_report, write_report
+from loadtests.lib.faults_load import Load, first_success_after
+from loadtests.lib.faults_report import ledger_rows, phase_report, write_report
 
 KEY = "faults-key"
 FAULTS = {  # fault -> what its process's command line contains

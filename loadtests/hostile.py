@@ -42,8 +42,8 @@ from pathlib import Path
 import msgspec
 
 from infermesh.processes import ProcessGroup
-from loadtests.sse_client import EMPTY_CONTENT, FIRST_CONTENT, read_chunks
-from loadtests.stats import summarize_ms
+from loadtests.lib.sse_client import EMPTY_CONTENT, FIRST_CONTENT, read_chunks
+from loadtests.lib.stats import summarize_ms
 from shared.ports import free_port, wait_for_port
 
 KEY = "bench-key"

@@ -5,7 +5,7 @@
     python -m loadtests.kv_routing --quick --no-write # a short smoke run
 
 Fleet: 16 aggregated gb200-glm53 workers (FP8 KV, no host tier, so device capacity alone decides hits).
-Traffic: closed-loop agent sessions (loadtests.workloads.AgentSessions) at ``scale`` 0.1 of the real
+Traffic: closed-loop agent sessions (loadtests.lib.workloads.AgentSessions) at ``scale`` 0.1 of the real
 token counts (600 new tokens a turn on a history of up to 14K, 30-token answers) with the think time
 scaled alike (3 s for 30 s), kept at a steady number of sessions, measured after a warm-up. Each
 worker's KV capacity is scaled the same way (0.1 x the profile's 1.09M tokens = 109K tokens), so it
@@ -14,7 +14,7 @@ on one worker, and is 16x too big when every worker sees every session (round ro
 
 Every configuration sees the same seeded sessions (an answer depends only on its prompt and the seed,
 so the prompts of a session are the same whichever worker serves it; only timing differs). ``kv_aware``
-is the live router's KvAwarePolicy as it is (loadtests/fleet_sim.KvRouter), fed the workers' KV events
+is the live router's KvAwarePolicy as it is (loadtests/lib/fleet_sim.KvRouter), fed the workers' KV events
 and exact instantaneous loads.
 
 Infinite-cache hit rate: the kv_aware run's requests (arrival order; each prompt, and its answer once
@@ -38,9 +38,9 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from loadtests.fleet_sim import FleetConfig, FleetSim
-from loadtests.report import RequestRecord, summarize, write_report
-from loadtests.workloads import AgentSessions, Arrival, Workload
+from loadtests.lib.fleet_sim import FleetConfig, FleetSim
+from loadtests.lib.report import RequestRecord, summarize, write_report
+from loadtests.lib.workloads import AgentSessions, Arrival, Workload
 from services.router.policy import KvRoutingConfig
 from services.router.scoring import CostWeights
 from services.worker.engines.block_pool import Hasher, fast_hash_block

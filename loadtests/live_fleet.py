@@ -2,7 +2,7 @@
 
 Starts NATS, the router, the edge and ``decoders`` + ``prefill`` sim engines packed several to a
 worker process (``infermesh up``'s own machinery), drives AgentSessions over HTTP with streamed
-completions (loadtests/http_agents.py), and measures every process's CPU time over the run. The
+completions (loadtests/lib/http_agents.py), and measures every process's CPU time over the run. The
 engines run on a clock factor (simulated seconds per real second): tokens through the edge per
 wall second are the simulated rate times the factor, so the factor is what makes a fleet of
 GB200-class engines fit a small machine.
@@ -33,10 +33,10 @@ from pathlib import Path
 from infermesh.processes import ProcessGroup
 from infermesh.bus_auth import admin_credentials
 from infermesh.up import MeshOptions, start_processes, wait_ready, worker_processes
-from loadtests.http_agents import LiveDriver, SafeVocab, peak_token_rate, rescale
-from loadtests.report import RequestRecord, summarize, write_markdown_table, write_report
-from loadtests.stats import percentile
-from loadtests.workloads import AgentSessions
+from loadtests.lib.http_agents import LiveDriver, SafeVocab, peak_token_rate, rescale
+from loadtests.lib.report import RequestRecord, summarize, write_markdown_table, write_report
+from loadtests.lib.stats import percentile
+from loadtests.lib.workloads import AgentSessions
 from shared.ports import free_port
 
 KEY = "live-fleet-key"
@@ -102,7 +102,7 @@ def workload(args: argparse.Namespace, vocab_size: int) -> AgentSessions:
 
 def offline(args: argparse.Namespace, vocab_size: int) -> list[RequestRecord]:
     """The same workload on the same fleet in the offline discrete-event simulator (least-loaded routing)."""
-    from loadtests.fleet_sim import FleetConfig, FleetSim
+    from loadtests.lib.fleet_sim import FleetConfig, FleetSim
     from services.worker.engines.cost_model import load_profile
 
     config = FleetConfig(load_profile(args.profile), num_workers=args.decoders, num_prefill=args.prefill,
@@ -248,7 +248,7 @@ leg, detokenization, SSE) divided by the tokens it streamed.
 ## Simulated time, beside the offline simulator
 
 Live times x {args.clock_factor:g} = simulated time, so the mesh's own wall-clock latency (HTTP, NATS hops,
-event-loop queueing) appears multiplied by the clock factor. `offline` is loadtests/fleet_sim.py on the
+event-loop queueing) appears multiplied by the clock factor. `offline` is loadtests/lib/fleet_sim.py on the
 same workload, fleet and profile (least-loaded routing; the live router counts requests per worker).
 
 {write_markdown_table(configs)}"""

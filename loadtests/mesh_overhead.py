@@ -6,7 +6,7 @@ GenerateRequest to the worker and waits for the first TokenChunk; "edge" sends a
 OpenAI streaming chat request over HTTP (auth, validation, chat template,
 tokenization, route request, worker, detokenization, SSE) and waits for the first
 content chunk. Both clients are lean (nats-py on one side, a wrk-like keep-alive
-HTTP/1.1 client on the other, loadtests/sse_client.py), so what is measured is the
+HTTP/1.1 client on the other, loadtests/lib/sse_client.py), so what is measured is the
 mesh, not the load generator's HTTP parsing. Overhead per concurrency = median over rounds of (edge pXX - direct pXX).
 
     python -m loadtests.mesh_overhead --concurrency 1 16 64 --rounds 3 --out docs/results/mesh_overhead
@@ -27,8 +27,8 @@ import uuid
 from pathlib import Path
 
 from infermesh.processes import ProcessGroup
-from loadtests.sse_client import LeanSseClient
-from loadtests.stats import summarize_ms
+from loadtests.lib.sse_client import LeanSseClient
+from loadtests.lib.stats import summarize_ms
 from shared import schema
 from shared.bus import Bus, StreamReceiver
 from shared.ports import free_port, wait_for_port

@@ -37,8 +37,8 @@ import msgspec
 
 from infermesh.processes import ProcessGroup
 from infermesh.up import MeshOptions, start_processes, wait_ready
-from loadtests.sse_client import read_chunks
-from loadtests.stats import percentile
+from loadtests.lib.sse_client import read_chunks
+from loadtests.lib.stats import percentile
 from shared.ports import free_port
 
 MODEL = "sim-overload"

@@ -4,7 +4,7 @@
     python -m loadtests.replay agents --sessions 64 --workers 8 --kv-dtypes fp8,nvfp4 --scale 0.5
 
 Every combination of the comma-separated options is one configuration; each sees the same
-seeded traffic. Writes <out>.json and <out>.png (loadtests/report.py) and prints a table.
+seeded traffic. Writes <out>.json and <out>.png (loadtests/lib/report.py) and prints a table.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from loadtests.fleet_sim import FleetConfig, FleetSim
-from loadtests.report import summarize, write_markdown_table, write_report
-from loadtests.workloads import AgentSessions, MooncakeTrace, Workload
+from loadtests.lib.fleet_sim import FleetConfig, FleetSim
+from loadtests.lib.report import summarize, write_markdown_table, write_report
+from loadtests.lib.workloads import AgentSessions, MooncakeTrace, Workload
 from services.worker.engines.cost_model import load_profile
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from loadtests.fleet_sim import FleetConfig, FleetSim
-from loadtests.report import summarize, write_markdown_table, write_report
-from loadtests.workloads import AgentSessions
+from loadtests.lib.fleet_sim import FleetConfig, FleetSim
+from loadtests.lib.report import summarize, write_markdown_table, write_report
+from loadtests.lib.workloads import AgentSessions
 from services.worker.engines.cost_model import load_profile
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"

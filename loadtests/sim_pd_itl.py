@@ -6,7 +6,7 @@ The acceptance point: the seed deployment (GLM-5.3, GB200 NVL72) saw about -40% 
 latency with prefill and decode on separate workers. Here 8 gb200-glm53 GPUs run as 8 aggregated
 workers, as 2 prefill + 6 decode and as 3 prefill + 5 decode, on
 
-- agent sessions (loadtests.workloads.AgentSessions, the sim_experiments traffic: ~6K new tokens per
+- agent sessions (loadtests.lib.workloads.AgentSessions, the sim_experiments traffic: ~6K new tokens per
   turn on a history growing to 140K, ~300-token answers, 30 s think time; sessions stick to workers,
   prefill workers keep a host KV tier) at each load, one run per seed, medians over seeds;
 - the Mooncake trace (open loop, kv_aware routing), once: the trace is fixed;
@@ -16,7 +16,7 @@ workers, as 2 prefill + 6 decode and as 3 prefill + 5 decode, on
 Two inter-token latencies are reported: "ITL gaps", every gap between consecutive tokens of every
 request pooled (vLLM's benchmark ITL), and "ITL per request", each request's mean gap
 (last token - first token) / (tokens - 1), which is AIPerf's (and genai-perf's) inter_token_latency
-and this repo's TPOT. Writes docs/results/sim_pd_itl.{json,md,png} (loadtests/sim_pd_itl_report.py).
+and this repo's TPOT. Writes docs/results/sim_pd_itl.{json,md,png} (loadtests/lib/sim_pd_itl_report.py).
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtests.fleet_sim import FleetConfig, FleetSim
+from loadtests.lib.fleet_sim import FleetConfig, FleetSim
 from loadtests.replay import DEFAULT_TRACE
-from loadtests.report import _json_safe, summarize
+from loadtests.lib.report import _json_safe, summarize
 from loadtests.sim_experiments import RESULTS, THINK_S, fleet
-from loadtests.stats import median_finite, median_over, percentile, quantile_points, ratio, share_above
-from loadtests.workloads import AgentSessions, MooncakeTrace, Workload
+from loadtests.lib.stats import median_finite, median_over, percentile, quantile_points, ratio, share_above
+from loadtests.lib.workloads import AgentSessions, MooncakeTrace, Workload
 from services.worker.engines.cost_model import load_profile
 from services.worker.engines.scheduler import SimRequest
 
@@ -218,7 +218,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from loadtests.sim_pd_itl_report import render
+    from loadtests.lib.sim_pd_itl_report import render
 
     args = parse_args(argv)
     stem = Path(args.out)

@@ -23,7 +23,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from loadtests.tool_soak_plan import Plan, plan_requests
+from loadtests.lib.tool_soak_plan import Plan, plan_requests
 
 MODEL = "tiny"
 

@@ -6,8 +6,8 @@ import pytest
 
 from infermesh.up import MeshOptions, WorkerProcess, worker_processes
 from loadtests import live_fleet
-from loadtests.http_agents import token_times
-from loadtests.report import summarize
+from loadtests.lib.http_agents import token_times
+from loadtests.lib.report import summarize
 
 SESSIONS, TURNS = 10, 3
 

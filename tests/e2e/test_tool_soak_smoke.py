@@ -8,8 +8,8 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from loadtests import tool_soak
-from loadtests.tool_soak_plan import KINDS, MAX_SCHEMA_DEPTH, depth, plan_requests
-from loadtests.tool_soak_shape import Answer, Outcome, classify
+from loadtests.lib.tool_soak_plan import KINDS, MAX_SCHEMA_DEPTH, depth, plan_requests
+from loadtests.lib.tool_soak_shape import Answer, Outcome, classify
 from services.edge.tools.validate import NAME_RE
 
 NUM_REQUESTS = 20

@@ -1,4 +1,4 @@
-"""loadtests/fleet_sim.py: the offline discrete-event fleet on the sim engine's pure core."""
+"""loadtests/lib/fleet_sim.py: the offline discrete-event fleet on the sim engine's pure core."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from loadtests.fleet_sim import FleetConfig, FleetSim
-from loadtests.workloads import AgentSessions, Arrival
+from loadtests.lib.fleet_sim import FleetConfig, FleetSim
+from loadtests.lib.workloads import AgentSessions, Arrival
 from services.worker.engines.cost_model import load_profile
 from shared.prefix_hash import prompt_hashes
 

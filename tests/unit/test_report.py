@@ -1,4 +1,4 @@
-"""loadtests/report.py: summary figures from hand-built request records, and the JSON + PNG + markdown report."""
+"""loadtests/lib/report.py: summary figures from hand-built request records, and the JSON + PNG + markdown report."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from loadtests.report import RequestRecord, summarize, write_markdown_table, write_report
+from loadtests.lib.report import RequestRecord, summarize, write_markdown_table, write_report
 
 
 def record(rid: str, arrival: float, scheduled: float | None, tokens: list[float], *, prompt: int = 100,

@@ -1,4 +1,4 @@
-"""loadtests/stats.py's seed helpers and loadtests/sim_pd_itl.py: medians over seeds, P/D over aggregated ratios."""
+"""loadtests/lib/stats.py's seed helpers and loadtests/sim_pd_itl.py: medians over seeds, P/D over aggregated ratios."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 
 from loadtests import sim_pd_itl
-from loadtests.stats import median_finite, median_over, quantile_points, ratio, share_above
+from loadtests.lib.stats import median_finite, median_over, quantile_points, ratio, share_above
 
 
 def test_median_over_leaves_out_missing_and_nan() -> None:

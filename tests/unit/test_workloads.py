@@ -1,4 +1,4 @@
-"""loadtests/workloads.py: agent sessions (closed loop, shared histories, cold prompts) and Mooncake trace replay."""
+"""loadtests/lib/workloads.py: agent sessions (closed loop, shared histories, cold prompts) and Mooncake trace replay."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.workloads import AgentSessions, Arrival, MooncakeTrace, random_tokens
+from loadtests.lib.workloads import AgentSessions, Arrival, MooncakeTrace, random_tokens
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 

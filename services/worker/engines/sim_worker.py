@@ -1,7 +1,7 @@
 """One simulated engine, pure: block pool + scheduler + cost model + seeded token choices.
 
 No clock and no I/O, so the live ``sim`` engine (asyncio, wall clock times a clock
-factor) and the offline discrete-event simulator (loadtests/fleet_sim.py) drive the
+factor) and the offline discrete-event simulator (loadtests/lib/fleet_sim.py) drive the
 very same code::
 
     worker.add(request)                      # a SimRequest, arrival_t set by the driver

@@ -30,8 +30,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable
 
-from loadtests.report import RequestRecord
-from loadtests.workloads import Arrival, Workload
+from loadtests.lib.report import RequestRecord
+from loadtests.lib.workloads import Arrival, Workload
 from services.router.index import PrefixIndex
 from services.router.policy import KvAwarePolicy, KvRoutingConfig, RouteView
 from services.router.scoring import LoadView

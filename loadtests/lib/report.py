@@ -15,7 +15,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadtests.stats import percentile
+from loadtests.lib.stats import percentile
 
 PERCENTILES = (50, 90, 99)
 

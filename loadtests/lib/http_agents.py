@@ -1,9 +1,9 @@
-"""Drive a workload (loadtests/workloads.py) through the edge over HTTP: streamed completions of token ids.
+"""Drive a workload (loadtests/lib/workloads.py) through the edge over HTTP: streamed completions of token ids.
 
 Every arrival becomes one ``POST /v1/completions`` with ``prompt`` as token ids, ``stream``,
 ``stream_options.include_usage`` and ``ignore_eos`` (exactly max_tokens come back), sent on its
 session's own keep-alive HTTP/1.1 connection (a session's turns are sequential). The client is
-lean, like loadtests/sse_client.py: it parses the chunked framing and counts SSE events by a byte
+lean, like loadtests/lib/sse_client.py: it parses the chunked framing and counts SSE events by a byte
 search, and decodes JSON only for the usage chunk, so that the load generator's parsing does not
 crowd the mesh out of this machine's cores.
 
@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from loadtests.report import RequestRecord
-from loadtests.sse_client import read_chunks
-from loadtests.workloads import Arrival, Workload
+from loadtests.lib.report import RequestRecord
+from loadtests.lib.sse_client import read_chunks
+from loadtests.lib.workloads import Arrival, Workload
 from services.worker.engines.sim import sim_token_ids
 
 CONTENT_EVENT = b'"finish_reason":null'  # every content event of a text_completion stream, and only those

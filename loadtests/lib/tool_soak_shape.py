@@ -24,7 +24,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from tests.conformance.tool_calls.corpus import argument_errors
 
 if TYPE_CHECKING:
-    from loadtests.tool_soak_plan import Plan
+    from loadtests.lib.tool_soak_plan import Plan
 
 FINISH_REASONS = ("stop", "length", "tool_calls")
 
