@@ -1,4 +1,4 @@
-"""The operator's side of the ledger: teams, API keys, prices and budgets.
+"""The operator's side of the ledger: teams, API keys, prices, budgets, and what the platform paid for.
 
 Each function runs in its own transaction and raises ``AdminError`` with a message meant for a person
 (the CLI prints it as it is). Amounts come in as decimal USD (strings or ``Decimal``, never floats'
@@ -16,8 +16,9 @@ from sqlalchemy import func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from services.metering.billing import parse_month
 from services.metering.keys import new_key, valid_team_name
-from services.metering.models import ANY_MONTH, ApiKey, Budget, Model, Price, Team
+from services.metering.models import ANY_MONTH, ApiKey, Budget, Model, Price, Team, UsageDaily
 
 MICROS_PER_USD = 1_000_000
 _MAX_MICROS = 2**63 - 1
@@ -220,3 +221,22 @@ async def budget_for(engine: AsyncEngine, team: str, month: str) -> int | None:
     async with engine.begin() as conn:
         found = dict((await conn.execute(query)).all())
     return found.get(month, found.get(ANY_MONTH))
+
+
+# ---------------------------------------------------------------- platform cost
+
+async def platform_cost(engine: AsyncEngine, month: str) -> list[dict]:
+    """Per team and model in ``month`` (YYYY-MM, UTC), what migrations cost the platform and no team was billed:
+    ``migrations`` (streams moved to another worker) and ``migration_prefill_tokens`` (the prompt and tokens so far
+    those workers recomputed), beside the pair's ``requests``. Only pairs with a migration; most recomputed first."""
+    first, following = parse_month(check_month(month, allow_any=False))
+    migrations = func.sum(UsageDaily.migrations)
+    prefill = func.sum(UsageDaily.migration_prefill_tokens)
+    query = (select(UsageDaily.team, UsageDaily.model, func.sum(UsageDaily.requests), migrations, prefill)
+             .where(UsageDaily.day >= first, UsageDaily.day < following)
+             .group_by(UsageDaily.team, UsageDaily.model).having((migrations > 0) | (prefill > 0))
+             .order_by(prefill.desc(), UsageDaily.team, UsageDaily.model))
+    async with engine.begin() as conn:
+        rows = (await conn.execute(query)).all()
+    return [{"team": team, "model": model, "requests": int(requests), "migrations": int(moved),
+             "migration_prefill_tokens": int(recomputed)} for team, model, requests, moved, recomputed in rows]

@@ -5,6 +5,10 @@ Plain SQLAlchemy selects that run the same on Postgres and SQLite. Totals are su
 exact decimal string in USD with nine places (``*_usd``, e.g. ``"1.250000000"``), never as a float.
 Totals come from ``usage_daily`` (one row per team, UTC day, model and key); the recent-requests
 list comes from the raw ``usage`` rows.
+
+Every total also carries ``platform_cost``: the migrations of its requests (a stream moved to another worker
+mid-request) and the prompt tokens those workers recomputed. The platform pays for them; they are never in
+``cost_nano``, which prices the counts the client was told.
 """
 
 from __future__ import annotations
@@ -61,7 +65,14 @@ def _sums() -> tuple[Any, ...]:
             func.sum(UsageDaily.cached_tokens).label("cached_tokens"),
             func.sum(UsageDaily.completion_tokens).label("completion_tokens"),
             func.sum(UsageDaily.cost_nano).label("cost_nano"),
-            func.sum(UsageDaily.savings_nano).label("savings_nano"))
+            func.sum(UsageDaily.savings_nano).label("savings_nano"),
+            func.sum(UsageDaily.migrations).label("migrations"),
+            func.sum(UsageDaily.migration_prefill_tokens).label("migration_prefill_tokens"))
+
+
+def platform_cost(migrations: Any, migration_prefill_tokens: Any) -> dict[str, int]:
+    """What the platform recomputed, never billed: migrations and the prefill tokens they recomputed."""
+    return {"migrations": _int(migrations), "migration_prefill_tokens": _int(migration_prefill_tokens)}
 
 
 def _totals(row: Any) -> dict[str, Any]:
@@ -70,7 +81,8 @@ def _totals(row: Any) -> dict[str, Any]:
     cost, savings = _int(row.cost_nano), _int(row.savings_nano)
     return {"requests": _int(row.requests), "prompt_tokens": prompt, "cached_tokens": _int(row.cached_tokens),
             "completion_tokens": completion, "total_tokens": prompt + completion,
-            "cost_nano": cost, "cost_usd": usd(cost), "savings_nano": savings, "savings_usd": usd(savings)}
+            "cost_nano": cost, "cost_usd": usd(cost), "savings_nano": savings, "savings_usd": usd(savings),
+            "platform_cost": platform_cost(row.migrations, row.migration_prefill_tokens)}
 
 
 def _in_days(start: dt.date, end_exclusive: dt.date) -> Any:
@@ -145,4 +157,5 @@ async def recent_usage(session: AsyncSession, team: str, limit: int = 50) -> lis
         "cost_nano": int(u.cost_nano), "cost_usd": usd(int(u.cost_nano)), "status": u.status,
         "finish_reason": u.finish_reason, "ttft_ms": u.ttft_ms, "duration_ms": u.duration_ms,
         "trace_id": u.trace_id, "created_at": _utc_iso(u.created_at),
+        "platform_cost": platform_cost(u.migrations, u.migration_prefill_tokens),
     } for u in rows]

@@ -50,7 +50,14 @@ def usage_row(seq: int, event: UsageEvent, prices: PriceBook) -> dict:
         "duration_ms": event.duration_ms, "worker_id": event.worker_id,
         "prefill_worker_id": event.prefill_worker_id, "trace_id": event.trace_id, "stream_seq": seq,
         "created_at": dt.datetime.fromtimestamp(at, UTC),
+        "migrations": event.migrations, "migration_prefill_tokens": event.migration_prefill_tokens,
     }
+
+
+# usage columns summed into usage_daily as they are; migrations: platform cost, not in cost_nano
+ROW_SUMMED = ("prompt_tokens", "cached_tokens", "completion_tokens", "cost_nano", "migrations",
+              "migration_prefill_tokens")
+SUMMED = ("requests", *ROW_SUMMED, "savings_nano")
 
 
 def daily_sums(rows: Sequence[dict], prices: PriceBook) -> list[dict]:
@@ -61,20 +68,14 @@ def daily_sums(rows: Sequence[dict], prices: PriceBook) -> list[dict]:
         key = (row["team"], day, row["model"], row["key_prefix"])
         total = sums.get(key)
         if total is None:
-            total = sums[key] = {"team": key[0], "day": day, "model": key[2], "key_prefix": key[3], "requests": 0,
-                                 "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0, "cost_nano": 0,
-                                 "savings_nano": 0}
+            total = sums[key] = {"team": key[0], "day": day, "model": key[2], "key_prefix": key[3],
+                                 **dict.fromkeys(SUMMED, 0)}
         total["requests"] += 1
-        total["prompt_tokens"] += row["prompt_tokens"]
-        total["cached_tokens"] += row["cached_tokens"]
-        total["completion_tokens"] += row["completion_tokens"]
-        total["cost_nano"] += row["cost_nano"]
+        for name in ROW_SUMMED:
+            total[name] += row[name]
         total["savings_nano"] += prices.savings_nano(row["model"], row["created_at"].timestamp(),
                                                      row["cached_tokens"])
     return list(sums.values())
-
-
-SUMMED = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_nano", "savings_nano")
 
 
 async def write_usage(engine: AsyncEngine, batch: Sequence[tuple[int, UsageEvent]], prices: PriceBook) -> Written:
@@ -103,14 +104,15 @@ async def write_usage(engine: AsyncEngine, batch: Sequence[tuple[int, UsageEvent
     return Written(len(fresh), len(rows) - len(fresh), {row["team"] for row in fresh})
 
 
-# Postgres: one statement whose parameters are 18 arrays (unnest), instead of 18 parameters per row: the
+# Postgres: one statement whose parameters are 20 arrays (unnest), instead of 20 parameters per row: the
 # server parses one small statement and asyncpg sends the columns in binary (~2x the rows per second).
 _USAGE_COLUMNS = (("request_id", "varchar"), ("attempt", "int4"), ("team", "varchar"), ("key_prefix", "varchar"),
                   ("model", "varchar"), ("prompt_tokens", "int4"), ("cached_tokens", "int4"),
                   ("completion_tokens", "int4"), ("cost_nano", "int8"), ("status", "varchar"),
                   ("finish_reason", "varchar"), ("ttft_ms", "float8"), ("duration_ms", "float8"),
                   ("worker_id", "varchar"), ("prefill_worker_id", "varchar"), ("trace_id", "varchar"),
-                  ("stream_seq", "int8"), ("created_at", "timestamptz"))
+                  ("stream_seq", "int8"), ("created_at", "timestamptz"), ("migrations", "int4"),
+                  ("migration_prefill_tokens", "int4"))
 _UNNEST_INSERT = (
     f"INSERT INTO usage ({', '.join(name for name, _ in _USAGE_COLUMNS)}) "
     f"SELECT * FROM unnest({', '.join(f'${i + 1}::{kind}[]' for i, (_, kind) in enumerate(_USAGE_COLUMNS))}) "

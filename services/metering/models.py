@@ -122,6 +122,10 @@ class Usage(Base):
     prefill_worker_id: Mapped[str] = mapped_column(String(MAX_WORKER_ID), nullable=False, default="")
     trace_id: Mapped[str] = mapped_column(String(MAX_TRACE_ID), nullable=False, default="")
     stream_seq: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)  # the usage message's sequence
+    # Platform cost, never billed (cost_nano is the client's counts): how often the stream moved to another worker
+    # and the prompt (+ tokens so far) those workers recomputed. Server defaults: rows from before revision 0003.
+    migrations: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+    migration_prefill_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), nullable=False, index=True)
     ingested_at: Mapped[dt.datetime] = _created()
 
@@ -141,6 +145,9 @@ class UsageDaily(Base):
     completion_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
     cost_nano: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
     savings_nano: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)  # cached vs full input price
+    # platform cost, not in cost_nano (see Usage)
+    migrations: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")
+    migration_prefill_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")
 
 
 class Budget(Base):

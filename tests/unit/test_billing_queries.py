@@ -40,6 +40,9 @@ DAILY = [
      5_000_000_000),
     ("globex", D(2026, 10, 3), QWEN, "im-globapp", 50, 50_000, 0, 10_000, 777_000_000, 0),
 ]
+# platform cost on some of those rows (and on one usage row): (migrations, migration_prefill_tokens), never billed
+MIGRATED = {("acme", D(2026, 10, 1), LLAMA, "im-acmeapp"): (2, 3_000),
+            ("acme", D(2026, 10, 5), QWEN, "im-acmeapp"): (1, 700), ("req-a2", 1): (1, 700)}
 BUDGETS = [("acme", "*", 5_000_000), ("acme", "2026-10", 2_000_000)]  # micro-USD: $5 every month, $2 in October
 UTC = dt.timezone.utc
 # request_id, attempt, team, key prefix, model, created_at, cost_nano, status
@@ -60,15 +63,19 @@ async def seed_ledger(session: AsyncSession) -> None:
                            name=name.replace("_", " "), is_admin=is_admin,
                            revoked_at=dt.datetime(2026, 9, 1, tzinfo=UTC) if revoked else None))
     for team, day, model, prefix, requests, prompt, cached, completion, cost, savings in DAILY:
+        moved, recomputed = MIGRATED.get((team, day, model, prefix), (0, 0))
         session.add(UsageDaily(team=team, day=day, model=model, key_prefix=prefix, requests=requests,
                                prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion,
-                               cost_nano=cost, savings_nano=savings))
+                               cost_nano=cost, savings_nano=savings, migrations=moved,
+                               migration_prefill_tokens=recomputed))
     session.add_all([Budget(team=team, month=month, amount_micros=amount) for team, month, amount in BUDGETS])
     for request_id, attempt, team, prefix, model, created, cost, status in USAGE:
+        moved, recomputed = MIGRATED.get((request_id, attempt), (0, 0))
         session.add(Usage(request_id=request_id, attempt=attempt, team=team, key_prefix=prefix, model=model,
                           prompt_tokens=100, cached_tokens=40, completion_tokens=20, cost_nano=cost, status=status,
                           finish_reason="stop", ttft_ms=12.5, duration_ms=80.0, worker_id="w1",
-                          trace_id=f"trace-{request_id}-{attempt}", created_at=created))
+                          trace_id=f"trace-{request_id}-{attempt}", created_at=created, migrations=moved,
+                          migration_prefill_tokens=recomputed))
     await session.commit()
 
 
@@ -114,6 +121,28 @@ async def test_summary_month_totals_budget_and_savings(session):
     assert s["budget_used_share"] == 0.839167
     assert [(m["model"], m["requests"], m["cost_nano"], m["savings_nano"]) for m in s["models"]] == [
         (LLAMA, 15, 1_534_568_396, 161_111_111), (QWEN, 9, 143_765_432, 22_222_222)]
+
+
+async def test_platform_cost_is_reported_per_team_model_day_and_request_apart_from_the_cost(session):
+    s = await billing.team_summary(session, "acme", "2026-10")
+    assert s["platform_cost"] == {"migrations": 3, "migration_prefill_tokens": 3_700}
+    assert s["cost_nano"] == sum(row[8] for row in DAILY if row[0] == "acme" and row[1].month == 10)  # not billed
+    assert [(m["model"], m["platform_cost"]) for m in s["models"]] == [
+        (LLAMA, {"migrations": 2, "migration_prefill_tokens": 3_000}),
+        (QWEN, {"migrations": 1, "migration_prefill_tokens": 700})]
+    days = await billing.daily(session, "acme", D(2026, 10, 1), D(2026, 10, 5))
+    assert [(r["day"], r["model"], r["platform_cost"]["migration_prefill_tokens"]) for r in days] == [
+        ("2026-10-01", LLAMA, 3_000), ("2026-10-01", QWEN, 0), ("2026-10-02", LLAMA, 0), ("2026-10-05", LLAMA, 0),
+        ("2026-10-05", QWEN, 700)]
+    keys = await billing.top_keys(session, "acme", D(2026, 10, 1), D(2026, 10, 31))
+    assert [(k["key_prefix"], k["platform_cost"]["migrations"]) for k in keys] == [("im-acmeapp", 3),
+                                                                                  ("im-acmeadm", 0)]
+    usage = await billing.recent_usage(session, "acme")
+    assert [(u["request_id"], u["attempt"], u["platform_cost"]) for u in usage][:2] == [
+        ("req-a2", 1, {"migrations": 1, "migration_prefill_tokens": 700}),
+        ("req-a2", 0, {"migrations": 0, "migration_prefill_tokens": 0})]
+    assert (await billing.team_summary(session, "globex", "2026-10"))["platform_cost"] == {
+        "migrations": 0, "migration_prefill_tokens": 0}
 
 
 async def test_summary_falls_back_to_every_month_budget(session):

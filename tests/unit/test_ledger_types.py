@@ -11,7 +11,9 @@ from typing import get_args
 import msgspec
 import pytest
 
+from services.metering.ledger import usage_row
 from services.metering.models import Usage
+from services.metering.pricing import PriceBook
 from shared import schema
 from shared.schema import StreamErrorCode, UsageEvent, UsageFinishReason, UsageStatus
 
@@ -76,3 +78,13 @@ def test_a_value_at_every_bound_decodes():
     event = _event(request_id="r" * 64, team="t" * 64, key_prefix="k" * 32, model="m" * 256, worker_id="w" * 128,
                    prefill_worker_id="p" * 128, trace_id="f" * 32, prompt_tokens=2**31 - 1)
     assert schema.decode(schema.encode(event), UsageEvent) == event
+
+
+def test_every_field_of_the_usage_event_is_a_column_the_ledger_writes():
+    """A field added to the wire type without a column (and a revision) is lost in the ledger: fail here."""
+    assert set(UsageEvent.__struct_fields__) <= set(COLUMNS.keys())
+    event = _event(prefill_worker_id="p1", trace_id="f" * 32, migrations=2, migration_prefill_tokens=1_234)
+    row = usage_row(7, event, PriceBook([]))
+    assert {name: row[name] for name in UsageEvent.__struct_fields__ if name != "created_at"} == \
+        {name: getattr(event, name) for name in UsageEvent.__struct_fields__ if name != "created_at"}
+    assert row["created_at"].timestamp() == event.created_at

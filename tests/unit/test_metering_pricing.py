@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime as dt
 
+import msgspec
+
 from services.metering.ledger import daily_sums, usage_row
 from services.metering.metrics import LagWindow, prometheus_text
 from services.metering.pricing import PriceBook
@@ -51,6 +53,17 @@ def test_daily_sums_group_by_team_utc_day_model_and_key():
     assert first["savings_nano"] == 2 * book.savings_nano("m", day1, 40)
     assert sums[("2026-11-30", "x", "k1")]["cost_nano"] == 0  # an unpriced model is free, and still counted
     assert rows[2]["stream_seq"] == 3 and rows[0]["created_at"].tzinfo is not None
+
+
+def test_daily_sums_keep_migrations_apart_from_the_billed_counts():
+    book = PriceBook([("m", 0.0, OLD)])
+    at = dt.datetime(2026, 11, 29, 12, tzinfo=dt.timezone.utc).timestamp()
+    moved = msgspec.structs.replace(event("a", "m", at), migrations=2, migration_prefill_tokens=900)
+    rows = [usage_row(1, moved, book), usage_row(2, event("b", "m", at), book)]
+    (total,) = daily_sums(rows, book)
+    assert (total["requests"], total["migrations"], total["migration_prefill_tokens"]) == (2, 2, 900)
+    # billed as the client saw it: the recomputed prefill is in neither the prompt tokens nor the cost
+    assert (total["prompt_tokens"], total["cost_nano"]) == (200, 2 * OLD.cost_nano(100, 40, 10))
 
 
 def test_key_diff_puts_new_and_changed_and_deletes_revoked():
