@@ -26,7 +26,8 @@ from services.edge.admission import CLASSES
 from services.edge.config import EdgeConfig
 from services.edge.http import HttpRequest, JsonReply, Reply, SseReply
 from services.edge.keys import Caller
-from services.edge.mesh import EdgeMesh, Finished, RouteHints, StreamBroken, Tally
+from services.edge.attempt import StreamBroken, Usage
+from services.edge.mesh import EdgeMesh, RouteHints
 from services.edge.prep import Peek, PrepJob, PrepPool, Prepared, peek
 from services.edge.protocol import MAX_ID_LENGTH
 from services.edge.tokenizer import ModelTokenizer
@@ -39,12 +40,12 @@ _tracer = tracer("infermesh.edge")
 _json = msgspec.json.Encoder()
 
 
-def _usage(done: Finished) -> dict[str, Any]:
+def _usage(done: Usage) -> dict[str, Any]:
     return {
-        "prompt_tokens": done.num_prompt_tokens,
-        "completion_tokens": done.num_completion_tokens,
-        "total_tokens": done.num_prompt_tokens + done.num_completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": done.num_cached_tokens},
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.completion_tokens,
+        "total_tokens": done.prompt_tokens + done.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
     }
 
 
@@ -136,12 +137,14 @@ class EdgeApi:
                 span.end()
                 raise
         trace_id = _trace_id(span, request.headers)
-        tally = Tally(billing=BillingContext(request_id=request_id, attempt=0, team=caller.team, key_prefix=caller.key_prefix,
-                                             model=model, request_class=klass, worker_id="", trace_id=trace_id,
-                                             created_at=arrived))  # signed into each attempt: billed if we die
-        bill = _Bill(request_id, caller, model, arrived, lease_id, tally, trace_id)
-        events = _then(self.mesh.generate(request_id, model, prompt_ids, params, tokenizer, prepared.stop, hints,
-                                          tally), lambda: self._spawn_bill(bill))
+        billing = BillingContext(request_id=request_id, attempt=0, team=caller.team, key_prefix=caller.key_prefix,
+                                 model=model, request_class=klass, worker_id="", trace_id=trace_id,
+                                 created_at=arrived)  # signed into each attempt: billed if we die
+        run = self.mesh.new_run(request_id, model, prompt_ids, params, tokenizer, prepared.stop, billing, hints,
+                                self._max_migrations(request))
+        bill = _Bill(request_id, caller, model, arrived, lease_id, asyncio.get_running_loop().create_future(),
+                     run.usage_so_far, trace_id)
+        events = _then(self.mesh.generate(run, bill.settle), lambda: self._spawn_bill(bill))
         try:
             with trace.use_span(span, end_on_exit=False) if span.is_recording() else nullcontext():
                 first = await events.__anext__()
@@ -165,25 +168,24 @@ class EdgeApi:
 
     async def _bill(self, bill: _Bill) -> None:
         """Publish the request's usage (if it is billable), then give its lease back with what it cost."""
-        tally = bill.tally
-        if tally.draining is not None:  # a cancelled request: its final counts are on their way
-            try:
-                await asyncio.wait_for(asyncio.shield(tally.draining), self.config.abort_drain_timeout_s + 5)
-            except asyncio.TimeoutError:
-                log.warning("request %s: no final counts after its cancellation; billing what was seen",
-                            bill.request_id)
+        try:  # a cancelled request's final counts may still be on their way (its abort is drained)
+            usage = await asyncio.wait_for(asyncio.shield(bill.settled), self.config.abort_drain_timeout_s + 5)
+        except asyncio.TimeoutError:
+            log.warning("request %s: no final counts after its cancellation; billing what was seen", bill.request_id)
+            usage = bill.seen()
         seq = 0
-        if tally.status:
+        if usage is not None:
             seq = await self.mesh.usage.publish(UsageEvent(
-                bill.request_id, tally.attempt, bill.caller.team, bill.caller.key_prefix, bill.model,
-                tally.status, tally.finish_reason, tally.prompt_tokens, tally.cached_tokens,  # type: ignore[arg-type]
-                tally.completion_tokens, round(tally.ttft_ms, 3), round(1000 * (time.time() - bill.arrived), 3),
-                tally.worker_id, tally.prefill_worker_id, bill.trace_id, bill.arrived))
+                bill.request_id, usage.attempt, bill.caller.team, bill.caller.key_prefix, bill.model,
+                usage.status, usage.finish_reason, usage.prompt_tokens, usage.cached_tokens,  # type: ignore[arg-type]
+                usage.completion_tokens, round(usage.ttft_ms, 3), round(1000 * (time.time() - bill.arrived), 3),
+                usage.worker_id, usage.prefill_worker_id, bill.trace_id, bill.arrived, usage.migrations,
+                usage.migration_prefill_tokens))
         admission = self.mesh.admission
         if bill.lease_id is not None and admission is not None:
-            admission.release(bill.lease_id, LeaseRelease(bill.lease_id, seq, tally.prompt_tokens,
-                                                          tally.cached_tokens, tally.completion_tokens)
-                              if seq else None)
+            admission.release(bill.lease_id, LeaseRelease(bill.lease_id, seq, usage.prompt_tokens,
+                                                          usage.cached_tokens, usage.completion_tokens)
+                              if usage is not None and seq else None)
 
     async def drain_billing(self, timeout_s: float = 10.0) -> None:
         """Wait for the usage of finished requests to be published (a clean stop loses none)."""
@@ -197,6 +199,18 @@ class EdgeApi:
             raise errors.invalid_request(f"X-Request-Class must be one of {', '.join(CLASSES)}.", "X-Request-Class")
         return klass
 
+    @staticmethod
+    def _max_migrations(request: HttpRequest) -> int | None:
+        """``X-Infermesh-Max-Migrations``: how often this request's stream may move to another worker after its
+        worker failed (0: never; at most the edge's ``max_migrations``; absent: the edge's)."""
+        value = request.headers.get("x-infermesh-max-migrations")
+        if value is None:
+            return None
+        if not value.isdigit() or len(value) > 3:
+            raise errors.invalid_request("X-Infermesh-Max-Migrations must be a whole number from 0.",
+                                         "X-Infermesh-Max-Migrations")
+        return int(value)
+
     def _session_id(self, request: HttpRequest, body: Prepared) -> str | None:
         """The session the request belongs to: ``X-Session-Id``, else ``user`` when so configured."""
         session = request.headers.get("x-session-id") or (body.user if self.config.session_from_user else None)
@@ -205,12 +219,12 @@ class EdgeApi:
                                          "X-Session-Id")
         return session or None
 
-    async def _complete(self, first: str | Finished, events: AsyncIterator[str | Finished], shape: "_Shape",
+    async def _complete(self, first: str | Usage, events: AsyncIterator[str | Usage], shape: "_Shape",
                         span: trace.Span) -> JsonReply:
         parts: list[str] = []
         item = first
         try:
-            while not isinstance(item, Finished):
+            while not isinstance(item, Usage):
                 parts.append(item)
                 item = await events.__anext__()
             _record(span, item)
@@ -221,14 +235,14 @@ class EdgeApi:
             span.end()
         return JsonReply(200, _json.encode(shape.full(parts, item)))
 
-    async def _sse_body(self, first: str | Finished, events: AsyncIterator[str | Finished], shape: "_Shape",
+    async def _sse_body(self, first: str | Usage, events: AsyncIterator[str | Usage], shape: "_Shape",
                         include_usage: bool, span: trace.Span) -> AsyncIterator[bytes]:
         """SSE events; the opening chunk rides with the first text and the closing ones with [DONE] (fewer writes)."""
         head = _sse(shape.chunk(None, None, include_usage, first=True)) if shape.kind == "chat" else b""
         tail = b""
         try:
             item = first
-            while not isinstance(item, Finished):
+            while not isinstance(item, Usage):
                 out = shape.text_chunks(item, include_usage)
                 if out:
                     yield head + out
@@ -246,7 +260,7 @@ class EdgeApi:
         yield head + tail + b"data: [DONE]\n\n"
 
 
-async def _then(events: AsyncIterator[str | Finished], done: Callable[[], None]) -> AsyncIterator[str | Finished]:
+async def _then(events: AsyncIterator[str | Usage], done: Callable[[], None]) -> AsyncIterator[str | Usage]:
     """The request's events, then ``done()`` however they end: finished, failed, or the client left."""
     try:
         async with aclosing(events) as inner:  # type: ignore[type-var]
@@ -265,8 +279,13 @@ class _Bill:
     model: str
     arrived: float
     lease_id: str | None
-    tally: Tally
+    settled: "asyncio.Future[Usage | None]"  # what the request is billed, once its run settled it
+    seen: Callable[[], Usage | None]  # what was seen so far, if it never settles in time
     trace_id: str
+
+    def settle(self, usage: Usage | None) -> None:
+        if not self.settled.done():
+            self.settled.set_result(usage)
 
 
 def _trace_id(span: trace.Span, headers: Any) -> str:
@@ -278,10 +297,10 @@ def _trace_id(span: trace.Span, headers: Any) -> str:
     return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else ""
 
 
-def _record(span: trace.Span, done: Finished) -> None:
+def _record(span: trace.Span, done: Usage) -> None:
     span.set_attributes({"infermesh.worker_id": done.worker_id, "gen_ai.response.finish_reasons": [done.finish_reason],
-                         "gen_ai.usage.output_tokens": done.num_completion_tokens,
-                         "infermesh.num_cached_tokens": done.num_cached_tokens})
+                         "gen_ai.usage.output_tokens": done.completion_tokens,
+                         "infermesh.num_cached_tokens": done.cached_tokens, "infermesh.migrations": done.migrations})
 
 
 class _Shape:
@@ -301,7 +320,7 @@ class _Shape:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, parts: list[str], done: Finished) -> dict[str, Any]:
+    def full(self, parts: list[str], done: Usage) -> dict[str, Any]:
         text = "".join(parts)
         if self.kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -357,6 +376,6 @@ class _Shape:
                 out.append(_sse(chunk))
         return b"".join(out)
 
-    def usage_chunk(self, done: Finished) -> dict[str, Any]:
+    def usage_chunk(self, done: Usage) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {**self._head(obj), "choices": [], "usage": _usage(done)}

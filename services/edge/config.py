@@ -19,6 +19,7 @@ class EdgeConfig(BusConfig):
     first_token_timeout_s: float = 300.0
     inter_token_timeout_s: float = 60.0
     abort_drain_timeout_s: float = 1.0
+    max_migrations: int = 3  # moves of a stream to another worker after its worker failed mid-stream (0: none)
     # a worker that left the registry with streams open is pinged first: no answer in this long -> they fail
     liveness_probe_timeout_s: float = 2.0
     # the edges bucket (shared/edges.py): workers abort the requests of an edge whose key lapsed and that does
@@ -75,6 +76,7 @@ class EdgeConfig(BusConfig):
         assert self.tool_close_within >= 0
         assert 0 < self.http_port < 65536 or self.http_port == 0, "http_port out of range"
         assert self.route_block_size >= 0, "route_block_size must be >= 0"
+        assert self.max_migrations >= 0, "max_migrations must be >= 0"
         assert self.max_body_bytes > 0 and self.max_header_bytes > 0 and self.header_timeout_s > 0
         assert self.body_timeout_s > 0 and self.max_tools > 0 and self.max_tools_bytes > 0
         assert self.max_schema_depth > 0 and self.prep_processes >= 0 and self.inline_prep_bytes >= 0

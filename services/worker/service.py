@@ -217,12 +217,15 @@ class WorkerService:
         with _tracer.start_as_current_span("worker.generate") as span:
             span.set_attributes({"infermesh.worker_id": self.worker_id, "infermesh.request_id": request.request_id,
                                  "infermesh.num_prompt_tokens": len(request.prompt_token_ids)})
-            num_output, received_at, ttft_ms = 0, time.monotonic(), 0.0
+            # a migrated request's counts include the tokens it came with (its output so far); its stream only new ones
+            resumed = len(request.output_token_ids)
+            num_output, received_at, ttft_ms = resumed, time.monotonic(), 0.0
             try:
                 async for out in self.engine.generate(request.request_id, request.prompt_token_ids, request.sampling,
                                                       request.kv_transfer, request.cache_salt,
-                                                      remote_decode=request.remote_decode):
-                    if out.token_ids and not num_output:
+                                                      remote_decode=request.remote_decode,
+                                                      output_token_ids=request.output_token_ids):
+                    if out.token_ids and num_output == resumed:
                         ttft_ms = 1000 * (time.monotonic() - received_at)
                     num_output += len(out.token_ids)
                     if out.token_ids:

@@ -268,7 +268,8 @@ async def test_failed_after_tokens_is_billed_and_failed_before_any_token_is_not(
         for worker in mesh.workers:
             worker.engine.config.itl_ms = 20
         stream = await client.completions.create(model="tiny", prompt=[3, 4, 5], max_tokens=200, stream=True,
-                                                 extra_body={"ignore_eos": True})
+                                                 extra_body={"ignore_eos": True},
+                                                 extra_headers={"X-Infermesh-Max-Migrations": "0"})  # no migration
         chunks, request_id = 0, ""
         with pytest.raises(openai.APIError):
             async for chunk in stream:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 from shared.schema import KvEvent, KvTransfer, SamplingParams
 
@@ -95,10 +95,14 @@ class Engine(abc.ABC):
     def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
         kv_transfer: KvTransfer | None = None, cache_salt: str | None = None, remote_decode: bool = False,
+        output_token_ids: Sequence[int] = (),
     ) -> AsyncIterator[EngineOutput]:
         """Stream the request's tokens. ``kv_transfer``: pull the prompt's KV from the prefill worker holding it
         (falling back to computing it here if the pull fails). ``remote_decode``: this is the prefill half of a
-        disaggregated request; the last output carries the KV handle for the decode worker."""
+        disaggregated request; the last output carries the KV handle for the decode worker. ``output_token_ids``:
+        a migrated request's tokens so far (another worker made them): computed after the prompt, and generation
+        goes on after them (``sampling.max_tokens`` is what is left); outputs carry only the new tokens and
+        ``num_prompt_tokens`` counts the prompt alone."""
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None: ...

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 from services.worker.engines.base import (Engine, EngineHookError, EngineLoad, EngineOutput, EngineRequestError,
                                           EngineSpec)
@@ -149,23 +149,26 @@ class SimEngine(Engine):
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
         kv_transfer: KvTransfer | None = None, cache_salt: str | None = None, remote_decode: bool = False,
+        output_token_ids: Sequence[int] = (),
     ) -> AsyncIterator[EngineOutput]:
         if not prompt_token_ids:
             raise EngineRequestError("the prompt is empty")
-        if len(prompt_token_ids) + sampling.max_tokens > self.config.max_model_len:
-            raise EngineRequestError(f"{len(prompt_token_ids)} prompt tokens + max_tokens {sampling.max_tokens} "
+        context = len(prompt_token_ids) + len(output_token_ids)
+        if context + sampling.max_tokens > self.config.max_model_len:
+            raise EngineRequestError(f"{context} prompt tokens + max_tokens {sampling.max_tokens} "
                                      f"exceed the model's context of {self.config.max_model_len} tokens")
         if self.config.fail_rate and self._faults.random() < self.config.fail_rate:
             raise SimulatedFault(f"injected failure of {request_id} (fail_rate {self.config.fail_rate})")
         stop_ids = frozenset() if sampling.ignore_eos else frozenset(sampling.stop_token_ids)
         decoder = None
         if sampling.structured is not None:
-            decoder = await self._decoder(sampling)
+            decoder = await self._decoder(sampling, len(output_token_ids))
             stop_ids = frozenset(decoder.stop_token_ids)  # the grammar ends only on these
-        request = SimRequest(request_id, list(prompt_token_ids), sampling.max_tokens, stop_ids, arrival_t=self.now(),
-                             remote_kv=kv_transfer is not None, extra=(cache_salt,) if cache_salt else ())
+        request = SimRequest(request_id, [*prompt_token_ids, *output_token_ids], sampling.max_tokens, stop_ids,
+                             arrival_t=self.now(), remote_kv=kv_transfer is not None,
+                             extra=(cache_salt,) if cache_salt else ())
         try:
-            self.worker.add(request, seed=sampling.seed, decoder=decoder)
+            self.worker.add(request, seed=sampling.seed, decoder=decoder, resumed=len(output_token_ids))
         except ValueError as exc:
             raise EngineRequestError(str(exc)) from None
         stream = _Stream(request)
@@ -183,8 +186,9 @@ class SimEngine(Engine):
             if self._streams.pop(request_id, None) is not None and request.finish_reason is None:
                 self.worker.abort(request_id)  # the consumer went away
 
-    async def _decoder(self, sampling: SamplingParams) -> ConstrainedDecoder:
-        """The request's grammar state; the tokenizer and compilation run off the event loop."""
+    async def _decoder(self, sampling: SamplingParams, resumed: int = 0) -> ConstrainedDecoder:
+        """The request's grammar state (its budget counts ``resumed`` tokens already made); the tokenizer and
+        compilation run off the event loop."""
         from services.worker.engines.grammar import ConstrainedDecoder, GrammarCache
 
         assert sampling.structured is not None
@@ -196,7 +200,7 @@ class SimEngine(Engine):
             compiled = await asyncio.to_thread(self._grammars.compile, sampling.structured)
         except ValueError as exc:
             raise EngineRequestError(str(exc)) from None
-        return ConstrainedDecoder(compiled, sampling.max_tokens, sampling.structured.close_within,
+        return ConstrainedDecoder(compiled, sampling.max_tokens + resumed, sampling.structured.close_within,
                                   sampling.stop_token_ids, banned_token_ids=self._grammars.special_token_ids)
 
     async def abort(self, request_id: str) -> None:

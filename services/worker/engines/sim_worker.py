@@ -85,16 +85,28 @@ def draw_token(rng: random.Random, prompt_token_ids: list[int]) -> int:
 
 
 def draw_constrained(decoder: ConstrainedDecoder, rng: random.Random, prompt_token_ids: list[int],
-                     remaining: int) -> int:
+                     remaining: int, token: int | None = None) -> int:
     """One output token under a grammar: the closing token when the budget is short, else a seeded
-    draw among the allowed tokens, biased to the prompt's. The decoder has accepted it on return."""
+    draw among the allowed tokens, biased to the prompt's. The decoder has accepted it on return.
+
+    ``token``: replay — it is accepted instead, with the RNG and the grammar moved on as the draw would."""
     from services.worker.engines.grammar import choose
 
-    token = decoder.forced_token(remaining)
-    if token is None:
-        token = choose(decoder.mask(), prompt_token_ids, rng)
-    decoder.accept(token)
-    return token
+    forced = decoder.forced_token(remaining)
+    drawn = forced if forced is not None else choose(decoder.mask(), prompt_token_ids, rng)
+    decoder.accept(drawn if token is None else token)
+    return drawn if token is None else token
+
+
+def replay(rng: random.Random, decoder: ConstrainedDecoder | None, prompt_token_ids: list[int], max_tokens: int,
+           output_token_ids: list[int]) -> None:
+    """Move a request's token RNG (and grammar) over tokens an earlier attempt produced, so that a migrated
+    request goes on exactly as the undisturbed one would (``max_tokens``: its budget before them)."""
+    for i, token in enumerate(output_token_ids):
+        if decoder is None:
+            draw_token(rng, prompt_token_ids)
+        else:
+            draw_constrained(decoder, rng, prompt_token_ids, max_tokens - i, token)
 
 
 class SimWorker:
@@ -112,6 +124,7 @@ class SimWorker:
                               record_events=config.record_events)
         self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, config.max_num_seqs)
         self._rngs: dict[str, random.Random] = {}
+        self._sources: dict[str, list[int]] = {}  # a resumed request's own prompt: its tokens are drawn from it
         self._decoders: dict[str, ConstrainedDecoder] = {}  # requests decoding under a grammar
         self.failed: list[tuple[SimRequest, str]] = []  # requests whose grammar failed, and why (take_failed)
         self.num_closings = 0  # requests whose budget-aware closing forced tokens
@@ -120,20 +133,32 @@ class SimWorker:
         self.busy_s = 0.0
 
     # ------------------------------------------------------------ requests
-    def add(self, request: SimRequest, seed: int | None = None, decoder: ConstrainedDecoder | None = None) -> None:
+    def add(self, request: SimRequest, seed: int | None = None, decoder: ConstrainedDecoder | None = None,
+            resumed: int = 0) -> None:
         """Queue a request (ValueError if it could never fit); a prefill worker makes one token only.
 
         With a ``decoder`` its tokens follow the grammar; it finishes when the grammar accepts a stop
-        token, so ``request.stop_token_ids`` should be the decoder's."""
+        token, so ``request.stop_token_ids`` should be the decoder's. ``resumed``: the prompt's last that
+        many tokens are a migrated request's output so far; it goes on from there as if never moved
+        (the grammar, when there is one, is replayed over them: ValueError if it refuses them)."""
         if self.config.role == "prefill":
             request.max_tokens = 1
+        source = request.prompt_token_ids[:len(request.prompt_token_ids) - resumed]
+        rng = token_rng(source, seed)
+        if resumed:
+            try:
+                replay(rng, decoder, source, request.max_tokens + resumed, request.prompt_token_ids[len(source):])
+            except Exception as exc:
+                raise ValueError(f"the tokens so far do not follow the request's grammar: {exc}") from None
+            self._sources[request.request_id] = source
         self.scheduler.add(request)
-        self._rngs[request.request_id] = token_rng(request.prompt_token_ids, seed)
+        self._rngs[request.request_id] = rng
         if decoder is not None:
             self._decoders[request.request_id] = decoder
 
     def abort(self, request_id: str) -> SimRequest | None:
         self._rngs.pop(request_id, None)
+        self._sources.pop(request_id, None)
         self._decoders.pop(request_id, None)
         return self.scheduler.abort(request_id)
 
@@ -186,22 +211,24 @@ class SimWorker:
         def sample(request: SimRequest) -> int:
             rng = self._rngs[request.request_id]
             decoder = self._decoders.get(request.request_id)
+            source = self._sources.get(request.request_id, request.prompt_token_ids)
             if decoder is None:
-                token = draw_token(rng, request.prompt_token_ids)
+                token = draw_token(rng, source)
             else:
                 remaining = request.max_tokens - len(request.output_token_ids)
                 try:
-                    token = draw_constrained(decoder, rng, request.prompt_token_ids, remaining)
+                    token = draw_constrained(decoder, rng, source, remaining)
                 except Exception as exc:  # that request's alone: it fails, the others run on
                     self.failed.append((request, f"{type(exc).__name__}: {exc}"))
                     failed.append(request)
-                    return draw_token(rng, request.prompt_token_ids)  # dropped: the request is aborted below
+                    return draw_token(rng, source)  # dropped: the request is aborted below
             produced.append((request, token))
             request.token_times.append(now)
             return token
 
         for request in self.scheduler.postprocess(step.batch, sample):
             self._rngs.pop(request.request_id, None)
+            self._sources.pop(request.request_id, None)
             decoder = self._decoders.pop(request.request_id, None)
             self.num_closings += decoder is not None and decoder.num_forced > 0
             if self.config.role == "prefill":

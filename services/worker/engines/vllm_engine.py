@@ -27,7 +27,7 @@ import math
 import os
 from dataclasses import dataclass
 from contextlib import contextmanager
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Iterator, Sequence
 
 from services.worker.engines.base import (Engine, EngineHookError, EngineLoad, EngineOutput, EngineRequestError,
                                           EngineSpec, PromptTokens)
@@ -234,17 +234,22 @@ class VllmEngine(Engine):
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
         kv_transfer: KvTransfer | None = None, cache_salt: str | None = None, remote_decode: bool = False,
+        output_token_ids: Sequence[int] = (),
     ) -> AsyncIterator[EngineOutput]:
         from vllm.exceptions import VLLMValidationError
         from vllm.inputs import tokens_input
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        if output_token_ids and sampling.structured is not None:
+            raise EngineRequestError("a stream under a grammar cannot resume on the vLLM engine (its grammar state "
+                                     "cannot be replayed there): it is not migrated")
+        context = [*prompt_token_ids, *output_token_ids]  # a migrated request: its tokens so far, recomputed
         state = _Running(len(prompt_token_ids))
         self._running[request_id] = state
         num_cached = 0
         params = self._transfer_params(kv_transfer, remote_decode)
         try:
-            stream = self._llm.generate(tokens_input(prompt_token_ids, cache_salt=cache_salt),
+            stream = self._llm.generate(tokens_input(context, cache_salt=cache_salt),
                                         self._sampling(sampling, params, request_id), request_id)
             async for out in _rejections_as(stream, VLLMValidationError):
                 self._raise_if_hook_failed(request_id)
