@@ -21,6 +21,8 @@ FinishReason = Literal["stop", "length", "abort", "remote"]  # remote: prefilled
 # undecodable; shutdown: the edge is stopping).
 StreamErrorCode = Literal["engine_error", "bad_request", "worker_shutdown", "worker_unavailable", "timeout",
                           "stream_gap", "bad_message", "shutdown"]
+RequestClass = Literal["interactive", "batch"]  # X-Request-Class: admission's priority (batch yields)
+BreakerState = Literal["closed", "open", "half_open"]  # a worker's circuit breaker (services/breaker/state.py)
 
 
 # ---------------------------------------------------------------- registry
@@ -143,7 +145,7 @@ class LeaseRequest(Struct, frozen=True):
 
     ticket: str  # becomes the lease id when granted
     team: str
-    klass: str  # interactive | batch
+    klass: RequestClass
     model: str
     tokens: int  # KV the request may need: prompt + max_tokens
     holder: str  # the edge
@@ -194,7 +196,7 @@ class LeaseRecord(Struct, frozen=True):
 
     lease_id: str
     team: str
-    klass: str
+    klass: RequestClass
     model: str
     tokens: int
     holder: str
@@ -226,7 +228,7 @@ class BreakerRecord(Struct, frozen=True):
     """A worker's breaker, in the breakers KV bucket (key: worker id), watched by every router and edge."""
 
     worker_id: str
-    state: str  # closed | open | half_open
+    state: BreakerState
     since: float  # wall time the state began
     reason: str = ""
     period: int = 0  # half-open periods so far: the probe permit's number
@@ -368,7 +370,7 @@ class BillingContext(Struct, frozen=True, kw_only=True):
     team: Annotated[str, Meta(max_length=MAX_TEAM)]
     key_prefix: Annotated[str, Meta(max_length=MAX_KEY_PREFIX)]
     model: Annotated[str, Meta(max_length=MAX_MODEL)]
-    request_class: str  # interactive | batch
+    request_class: RequestClass
     worker_id: Annotated[str, Meta(max_length=MAX_WORKER_ID)]  # the decode (or only) worker
     prefill_worker_id: Annotated[str, Meta(max_length=MAX_WORKER_ID)] = ""
     prefill_cached_tokens: Count | None = None  # a remote prefill's cache hits: the cached count billed

@@ -10,13 +10,16 @@ import asyncio
 import logging
 import time
 import uuid
+from typing import get_args
 
 from shared import errors
 from shared.bus import Bus, BusError
-from shared.schema import LeaseGranted, LeaseRelease, LeaseRenew, LeaseRenewReply, LeaseReply, LeaseRequest
+from shared.schema import (
+    LeaseGranted, LeaseRelease, LeaseRenew, LeaseRenewReply, LeaseReply, LeaseRequest, RequestClass,
+)
 
 log = logging.getLogger("infermesh.edge")
-CLASSES = ("interactive", "batch")
+CLASSES: tuple[str, ...] = get_args(RequestClass)
 RATE_LIMITED = ("concurrency_limit", "tokens_per_minute", "queue_full", "queue_timeout")
 FAILOVER_S = 5.0  # how long an acquire keeps asking while no admission leader answers (leader TTL 3 s)
 
