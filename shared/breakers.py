@@ -10,7 +10,6 @@ permit never overwrite each other: of two routers taking one half-open period's 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Callable
 
@@ -20,7 +19,7 @@ from nats.js.kv import KeyValue
 from shared import schema
 from shared.bus import Bus
 from shared.kv_cas import ensure_bucket
-from shared.kv_watch import follow
+from shared.kv_follower import KvFollower
 from shared.schema import BreakerRecord
 
 log = logging.getLogger(__name__)
@@ -39,25 +38,17 @@ class BreakerView:
         self._kv: KeyValue | None = None
         self.records: dict[str, tuple[BreakerRecord, int]] = {}
         self.on_change: list[Callable[[BreakerRecord], None]] = []
-        self._watcher = None
-        self._task: asyncio.Task[None] | None = None
-        self._synced = asyncio.Event()
+        self._follower = KvFollower(bus, bus.subjects.breakers_bucket, "breakers",
+                                    lambda _key, data: schema.decode(data, BreakerRecord))
+        self._follower.on_put.append(self._on_put)
+        self._follower.on_delete.append(lambda key: self.records.pop(key, None))
 
     async def start(self) -> None:
         self._kv = await ensure_bucket(self._bus, self._bus.subjects.breakers_bucket)
-        self._watcher = await self._kv.watchall()
-        self._task = asyncio.create_task(self._watch(), name="breakers-watch")
-        await asyncio.wait_for(self._synced.wait(), 5)
+        await self._follower.start(5)
 
     async def stop(self) -> None:
-        if self._watcher is not None:
-            try:
-                await self._watcher.stop()
-            except Exception:
-                pass
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.wait([self._task], timeout=2)
+        await self._follower.stop()
 
     def blocked(self) -> frozenset[str]:
         """Workers that take no normal traffic: open, or half-open (only their probe goes there)."""
@@ -105,17 +96,7 @@ class BreakerView:
             return None, 0
         return (schema.decode(entry.value, BreakerRecord) if entry.value else None), entry.revision or 0
 
-    async def _watch(self) -> None:
-        assert self._watcher is not None
-        await follow(self._watcher, "breakers", self._on_put, lambda key: self.records.pop(key, None),
-                     self._synced.set)
-
-    def _on_put(self, key: str, value: bytes, revision: int) -> None:
-        try:
-            record = schema.decode(value, BreakerRecord)
-        except Exception:
-            log.warning("bad breaker record for %s", key)
-            return
+    def _on_put(self, _key: str, record: BreakerRecord, revision: int) -> None:
         current = self.records.get(record.worker_id)
         if current is not None and current[1] >= revision:
             return  # our own write, already applied

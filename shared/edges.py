@@ -11,7 +11,6 @@ find requests whose edge is gone (``services/worker/orphans.py``).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Callable
@@ -22,7 +21,7 @@ from nats.js.kv import KeyValue
 from shared import schema
 from shared.bus import Bus
 from shared.kv_cas import ensure_bucket
-from shared.kv_watch import follow
+from shared.kv_follower import KvFollower
 from shared.liveness import DEFAULT_MAX_STALL_S, Beacon, Registration
 from shared.schema import EdgeInfo, EdgePong
 
@@ -52,40 +51,22 @@ class EdgeDirectory:
     """A live view of the edges bucket: the ids of the edges in it, with callbacks on arrival and departure."""
 
     def __init__(self, bus: Bus) -> None:
-        self._bus = bus
         self.edges: dict[str, EdgeInfo] = {}
         self.on_added: list[Callable[[str], None]] = []
         self.on_removed: list[Callable[[str], None]] = []
         self.on_beat: list[Callable[[str], None]] = []  # every heartbeat of every edge
-        self._watcher = None
-        self._task: asyncio.Task[None] | None = None
-        self._synced = asyncio.Event()
-        self._stopping = False
+        self._follower = KvFollower(bus, bus.subjects.edges_bucket, "edges",
+                                    lambda _key, data: schema.decode(data, EdgeInfo))
+        self._follower.on_put.append(self._on_put)
+        self._follower.on_delete.append(self._on_delete)
 
     async def start(self) -> None:
-        kv = await edges_bucket(self._bus)
-        self._watcher = await kv.watchall()
-        self._task = asyncio.create_task(follow(self._watcher, "edges", self._on_put, self._on_delete,
-                                                self._synced.set, lambda: self._stopping), name="edges-watch")
-        await asyncio.wait_for(self._synced.wait(), 5)
+        await self._follower.start(5)
 
     async def stop(self) -> None:
-        self._stopping = True  # stop the watcher first: see WorkerDirectory.stop
-        if self._watcher is not None:
-            try:
-                await self._watcher.stop()
-            except Exception:
-                pass
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.wait([self._task], timeout=2)
+        await self._follower.stop()
 
-    def _on_put(self, key: str, value: bytes, _revision: int) -> None:
-        try:
-            info = schema.decode(value, EdgeInfo)
-        except Exception:
-            log.warning("bad edges entry for %s", key)
-            return
+    def _on_put(self, _key: str, info: EdgeInfo, _revision: int) -> None:
         is_new = info.edge_id not in self.edges
         self.edges[info.edge_id] = info
         if is_new:

@@ -21,7 +21,7 @@ from nats.js.kv import KeyValue
 from shared import schema
 from shared.bus import Bus
 from shared.kv_cas import ensure_bucket
-from shared.kv_watch import follow
+from shared.kv_follower import KvFollower
 from shared.liveness import DEFAULT_MAX_STALL_S, LivenessThread, LoopWatch, tick_forever, worker_beacon
 from shared.schema import WorkerInfo
 
@@ -81,7 +81,6 @@ class WorkerDirectory:
     """A live view of the registry: worker id -> WorkerInfo, with callbacks on arrival and departure."""
 
     def __init__(self, bus: Bus) -> None:
-        self._bus = bus
         self.workers: dict[str, WorkerInfo] = {}
         self._seen_at: dict[str, float] = {}
         self.on_added: list[Callable[[WorkerInfo], None]] = []
@@ -89,29 +88,16 @@ class WorkerDirectory:
         # the same worker id back with a new ``started_at`` before its old entry lapsed (a supervisor restarted it
         # within the TTL): the old incarnation is dead, whatever it was doing is lost
         self.on_restarted: list[Callable[[str], None]] = []
-        self._watcher = None
-        self._task: asyncio.Task[None] | None = None
-        self._synced = asyncio.Event()
-        self._stopping = False
+        self._follower = KvFollower(bus, bus.subjects.workers_bucket, "registry",
+                                    lambda _key, data: schema.decode(data, WorkerInfo))
+        self._follower.on_put.append(self._on_put)
+        self._follower.on_delete.append(self._remove)
 
     async def start(self) -> None:
-        kv = await workers_bucket(self._bus)
-        self._watcher = await kv.watchall()
-        self._task = asyncio.create_task(self._watch(), name="registry-watch")
-        await asyncio.wait_for(self._synced.wait(), 5)
+        await self._follower.start(5)
 
     async def stop(self) -> None:
-        # Stop the watcher first (it wakes the loop with a sentinel): cancelling alone can be
-        # swallowed by wait_for inside nats-py when an update lands at the same moment.
-        self._stopping = True
-        if self._watcher is not None:
-            try:
-                await self._watcher.stop()
-            except Exception:
-                pass
-        if self._task:
-            self._task.cancel()
-            await asyncio.wait([self._task], timeout=2)
+        await self._follower.stop()
 
     def live(self, model: str | None = None) -> list[WorkerInfo]:
         """Workers whose heartbeat is fresh (a backstop to the server TTL), optionally for one model."""
@@ -125,17 +111,7 @@ class WorkerDirectory:
         """model name -> one live worker serving it (for tokenizer path and context length)."""
         return {w.model: w for w in self.live()}
 
-    async def _watch(self) -> None:
-        assert self._watcher is not None
-        await follow(self._watcher, "registry", self._on_put, self._remove, self._synced.set,
-                     lambda: self._stopping)
-
-    def _on_put(self, key: str, value: bytes, _revision: int) -> None:
-        try:
-            info = schema.decode(value, WorkerInfo)
-        except Exception:
-            log.warning("bad registry entry for %s", key)
-            return
+    def _on_put(self, _key: str, info: WorkerInfo, _revision: int) -> None:
         previous = self.workers.get(info.worker_id)
         self.workers[info.worker_id] = info
         self._seen_at[info.worker_id] = time.monotonic()

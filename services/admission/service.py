@@ -40,12 +40,21 @@ from services.admission.store import LeaseStore
 from shared import schema
 from shared.bus import Bus
 from shared.kv_cas import ensure_bucket
-from shared.kv_watch import follow
+from shared.kv_follower import KvFollower
 from shared.registry import WorkerDirectory
 from shared.schema import (SERVING_ROLES, LeaseGranted, LeaseRecord, LeaseRejected, LeaseRelease, LeaseRenew, LeaseRenewReply,
                            LeaseRequest, PriceSheet, TeamSpend)
 
 log = logging.getLogger("infermesh.admission")
+
+
+def _decode_billing(key: str, data: bytes) -> PriceSheet | TeamSpend | None:
+    """Metering's billing bucket: the price sheet and each team's month-to-date spend; other keys are not ours."""
+    if key == "prices":
+        return schema.decode(data, PriceSheet)
+    if key.startswith("spend."):
+        return schema.decode(data, TeamSpend)
+    return None
 
 
 class AdmissionService:
@@ -68,8 +77,8 @@ class AdmissionService:
         # no hold was made, and the later lapse found no reservation left: the budget failed open)
         self._lapsed_models: dict[str, str] = {}
         self._cleared: list[str] = []  # holds the ledger passed, still to delete from the bucket
-        self._billing_watch: asyncio.Task[None] | None = None
-        self._billing_watcher: object = None
+        self._billing = KvFollower(bus, bus.subjects.billing_bucket, "billing", _decode_billing)
+        self._billing.on_put.append(self._on_billing)
         self.stats: Counter[str] = Counter()
         bucket = bus.subjects.leases_bucket
         self.leadership = Leadership(bus, bucket, self.admission_id, config.leader_ttl_s, self._elected,
@@ -85,34 +94,20 @@ class AdmissionService:
 
     async def stop(self) -> None:
         await self.leadership.stop()
-        if self._billing_watch is not None:
-            self._billing_watch.cancel()
-            try:
-                await self._billing_watcher.stop()  # type: ignore[attr-defined]
-            except Exception:
-                pass
+        await self._billing.stop()
         await self.directory.stop()
 
     async def _follow_billing(self) -> None:
-        kv = await ensure_bucket(self.bus, self.bus.subjects.billing_bucket)
-        self._billing_watcher = await kv.watchall()
-        synced = asyncio.Event()
-
-        def on_put(key: str, value: bytes, _revision: int) -> None:
-            try:
-                if key == "prices":
-                    self.budgets.on_prices(schema.decode(value, PriceSheet))
-                elif key.startswith("spend."):
-                    self._holds_cleared(self.budgets.on_spend(schema.decode(value, TeamSpend), time.time()))
-            except Exception as exc:
-                log.warning("bad billing record %s: %s", key, exc)
-
-        self._billing_watch = asyncio.create_task(
-            follow(self._billing_watcher, "billing", on_put, lambda _key: None, synced.set), name="billing-watch")
         try:
-            await asyncio.wait_for(synced.wait(), 10)
+            await self._billing.start(10)
         except asyncio.TimeoutError:
             log.warning("billing bucket not read within 10 s: budgets start empty")
+
+    def _on_billing(self, _key: str, record: PriceSheet | TeamSpend, _revision: int) -> None:
+        if isinstance(record, PriceSheet):
+            self.budgets.on_prices(record)
+        else:
+            self._holds_cleared(self.budgets.on_spend(record, time.time()))
 
     # ------------------------------------------------------------ leadership
     async def _elected(self) -> None:

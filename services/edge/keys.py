@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 from shared import schema
 from shared.bus import Bus
-from shared.kv_cas import ensure_bucket
-from shared.kv_watch import follow
+from shared.kv_follower import KvFollower
 from shared.schema import ApiKeyRecord
 
 log = logging.getLogger("infermesh.edge")
@@ -34,42 +33,29 @@ def hash_key(key: str) -> str:
 
 
 class KeyDirectory:
+    """The edge's static keys, then every key in metering's bucket (``keys``: sha256 -> record, kept current)."""
+
     def __init__(self, bus: Bus | None, static: dict[str, str]) -> None:
         self.bus = bus
         self.static = static  # key -> team
+        self._follower: KvFollower[ApiKeyRecord] | None = None
         self.keys: dict[str, ApiKeyRecord] = {}  # sha256 -> record
-        self._watcher: object = None
-        self._task: asyncio.Task[None] | None = None
+        if bus is not None:
+            self._follower = KvFollower(bus, bus.subjects.api_keys_bucket, "api keys",
+                                        lambda _key, data: schema.decode(data, ApiKeyRecord))
+            self.keys = self._follower.values
 
     async def start(self) -> None:
-        if self.bus is None:
+        if self._follower is None:
             return
-        kv = await ensure_bucket(self.bus, self.bus.subjects.api_keys_bucket)
-        self._watcher = await kv.watchall()
-        synced = asyncio.Event()
-        self._task = asyncio.create_task(follow(self._watcher, "api keys", self._on_put, self._on_delete, synced.set),
-                                         name="api-keys-watch")
         try:
-            await asyncio.wait_for(synced.wait(), 10)
+            await self._follower.start(10)
         except asyncio.TimeoutError:
             log.warning("api keys bucket not read within 10 s")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._watcher.stop()  # type: ignore[attr-defined]
-            except Exception:
-                pass
-
-    def _on_put(self, key: str, value: bytes, _revision: int) -> None:
-        try:
-            self.keys[key] = schema.decode(value, ApiKeyRecord)
-        except Exception as exc:
-            log.warning("bad api key record %s: %s", key[:8], exc)
-
-    def _on_delete(self, key: str) -> None:
-        self.keys.pop(key, None)
+        if self._follower is not None:
+            await self._follower.stop()
 
     def caller(self, key: str) -> Caller | None:
         """The caller a key belongs to, None if it is unknown or revoked."""
