@@ -207,7 +207,7 @@ class EdgeApi:
         if value is None:
             return None
         if not value.isdigit() or len(value) > 3:
-            raise errors.invalid_request("X-Infermesh-Max-Migrations must be a whole number from 0.",
+            raise errors.invalid_request("X-Infermesh-Max-Migrations must be a whole number from 0 to 999.",
                                          "X-Infermesh-Max-Migrations")
         return int(value)
 

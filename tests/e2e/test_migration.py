@@ -124,3 +124,24 @@ async def test_a_migrated_request_is_billed_once_with_its_recomputed_prefill_apa
         assert 3 + 2 <= row.migration_prefill_tokens < 3 + 200  # the prompt and the tokens sent before the move
     finally:
         await mesh.stop()
+
+
+@pytest.mark.parametrize("value", ["x", "-1", "1.5", "99999"])
+async def test_a_bad_max_migrations_header_is_a_400_naming_it(nats_url, namespace, tiny_model, value):
+    mesh = LocalMesh(nats_url, namespace)
+    await mesh.start_router()
+    await mesh.start_worker(worker_id="sim-0", engine="sim", model="tiny", model_path=str(tiny_model),
+                            max_model_len=2048, block_size=16, num_kv_blocks=1024)
+    edge = await mesh.start_edge()
+    try:
+        await eventually(edge.mesh.is_ready, 20)
+        client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key=mesh.dev_key, max_retries=0)
+        with pytest.raises(openai.BadRequestError) as bad:
+            await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2,
+                                            extra_headers={"X-Infermesh-Max-Migrations": value})
+        assert bad.value.body["param"] == "X-Infermesh-Max-Migrations"
+        ok = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2,
+                                             extra_headers={"X-Infermesh-Max-Migrations": "2"})
+        assert ok.usage.completion_tokens == 2
+    finally:
+        await mesh.stop()

@@ -149,3 +149,17 @@ def test_a_failing_grammar_fails_its_request_alone() -> None:
     [(request, error)] = w.take_failed()
     assert request is broken and error.startswith("UnicodeDecodeError") and w.take_failed() == []
     assert all(r is not broken for r in (*w.scheduler.running, *w.scheduler.waiting))
+
+
+@pytest.mark.parametrize("cut", [1, 7, 19])
+def test_a_resumed_request_goes_on_as_the_undisturbed_one(cut: int) -> None:
+    """Migration: another worker given the prompt + the first ``cut`` tokens makes exactly the rest."""
+    prompt = list(range(40, 90))
+    w = worker()
+    w.add(SimRequest("a", prompt, 20), seed=5)
+    whole = [t for _, t in run(w)[1]]
+    other = worker()
+    resumed = SimRequest("b", prompt + whole[:cut], 20 - cut)
+    other.add(resumed, seed=5, resumed=cut)
+    assert [t for _, t in run(other)[1]] == whole[cut:]
+    assert resumed.finish_reason == "length"
