@@ -7,9 +7,12 @@ gets back and feeds in what happened (the router's answer, stream messages, the 
     STREAMING --retryable error, no token sent yet, a retry left--> ROUTING (another worker)
     STREAMING --retryable error after tokens, a migration left--> ROUTING (migrating: prompt + the tokens so far,
                                                                   max_tokens reduced, the same sampling and seed)
+    STREAMING --any error once max_tokens tokens were sent--> FINISHED ("length": only the end message was lost)
     STREAMING --any other error--> FAILED (no token sent: an API error, nothing billed) | BROKEN (billed what was sent)
     ROUTING --no worker--> FAILED, or BROKEN when migrating
-    ROUTING/PREFILLING/STREAMING --client left--> CANCELLED (the abort's end message gives the final counts)
+    ROUTING/PREFILLING/STREAMING --client left--> CANCELLED (the abort's end message gives the final counts; routing
+                                                  a migration: the tokens sent)
+    STOPPING --client left--> STOPPING (the text is whole: the abort already being drained finishes it)
 
 The usage record (``Usage``) is settled once: at FINISHED, BROKEN or FAILED, or once a cancelled request's abort
 was drained. The client's usage is one request whatever the migrations; what the migrated-to workers recomputed
@@ -230,7 +233,7 @@ class RequestRun:
             end = message if isinstance(message, StreamEnd) else None
             self.phase = Phase.FINISHED
             return [Close(self.attempt.stream_id), *self._finish("stop", end)]
-        if self.phase is Phase.CANCELLED and not isinstance(message, TokenChunk):
+        if self.phase is Phase.CANCELLED and not self.settled and not isinstance(message, TokenChunk):
             return self._drained(message if isinstance(message, StreamEnd) else None)
         return []  # tokens after a stop string or a cancellation: the end message decides
 
@@ -238,9 +241,12 @@ class RequestRun:
         """The client went away (or the request was cancelled): abort and drain what was running."""
         if self.phase in TERMINAL:
             return []
+        if self.phase is Phase.STOPPING:  # the text is whole and its abort is being drained: that finishes it
+            self.usage = self._usage("finished", "stop", self.attempt.prefill_cached or 0)
+            return []
         phase, self.phase = self.phase, Phase.CANCELLED
-        if phase is Phase.ROUTING:  # no worker has it: nothing was computed
-            return [Settle(self._settle(None))]
+        if phase is Phase.ROUTING:  # no worker has it: nothing more was computed (a migration's tokens were sent)
+            return [Settle(self._settle(self._usage("cancelled", "abort", 0) if self.output else None))]
         a = self.attempt
         if phase is Phase.PREFILLING:
             self.draining_prefill = True
@@ -295,12 +301,15 @@ class RequestRun:
     def _on_end(self, end: StreamEnd) -> list[Action]:
         a = self.attempt
         self.phase = Phase.FINISHED
+        text, hit = self._flush()
+        actions: list[Action] = [Report(a.worker_id, a.stream_id, True, "", self._attempt_ttft()), Close(a.stream_id)]
+        return actions + text + self._finish("stop" if hit else end.finish_reason, end)
+
+    def _flush(self) -> tuple[list[Action], bool]:
+        """The text held back (a partial character, a possible stop string) once no token follows; a stop hit."""
         text, hit = self.stops.feed(self.text.flush())
         text += "" if hit else self.stops.flush()
-        actions: list[Action] = [Report(a.worker_id, a.stream_id, True, "", self._attempt_ttft()), Close(a.stream_id)]
-        if text:
-            actions.append(Emit(text))
-        return actions + self._finish("stop" if hit else end.finish_reason, end)
+        return ([Emit(text)] if text else []), hit
 
     def _on_error(self, error: StreamError) -> list[Action]:
         a = self.attempt
@@ -314,10 +323,11 @@ class RequestRun:
                 self.first_failure = self.first_failure or api_error
                 return actions + self._next_attempt()
             return actions + self._fail(api_error)
+        if len(self.output) >= self.sampling.max_tokens:  # every token was sent, only the end was lost
+            self.phase = Phase.FINISHED
+            text, hit = self._flush()
+            return actions + text + self._finish("stop" if hit else "length", None)
         if retryable and self.migrations < self.limits.migrations:
-            if len(self.output) >= self.sampling.max_tokens:  # every token was sent, only the end was lost
-                self.phase = Phase.FINISHED
-                return actions + self._finish("length", None)
             self.broke_with = (error.code, f"{error.code}: {error.message}")
             return actions + self._next_attempt()
         why = f"{error.code}: {error.message}"
