@@ -208,3 +208,29 @@ async def test_a_seeded_request_prefilled_in_chunks(engine, prompt):
     assert runs[0] == runs[1]  # the same seed, chunked the same way: the same tokens
     ids, reason = await _run(engine, prompt, None, 3, max_tokens=4)  # and the engine serves on
     assert reason == "length"
+
+
+async def test_a_resumed_request_at_temperature_0_makes_the_undisturbed_rest(engine, prompt):
+    """Migration on vLLM: the prompt + the first ``cut`` tokens, recomputed, lead greedy decoding to the same rest."""
+    whole = []
+    async for out in engine.generate(uuid.uuid4().hex, prompt, SamplingParams(max_tokens=40, temperature=0.0,
+                                                                              ignore_eos=True)):
+        whole += out.token_ids
+    assert len(whole) == 40
+    for cut in (1, 13, 27):
+        rest = []
+        sampling = SamplingParams(max_tokens=40 - cut, temperature=0.0, ignore_eos=True)
+        async for out in engine.generate(uuid.uuid4().hex, prompt, sampling, output_token_ids=whole[:cut]):
+            rest += out.token_ids
+            assert out.finish_reason is None or out.num_prompt_tokens == len(prompt)  # the tokens so far are output
+        assert rest == whole[cut:], cut
+
+
+async def test_a_stream_under_a_grammar_is_not_resumed_on_vllm(engine, prompt):
+    from services.worker.engines.base import EngineRequestError
+
+    sampling = SamplingParams(max_tokens=20, temperature=0.0,
+                              structured=Structured("json_schema", json.dumps(SCHEMA)))
+    with pytest.raises(EngineRequestError, match="cannot resume"):
+        async for _ in engine.generate(uuid.uuid4().hex, prompt, sampling, output_token_ids=prompt[:2]):
+            pass
