@@ -19,7 +19,6 @@ from infermesh.bus_auth import data_dir, start_locked_nats, tls_files
 from infermesh.processes import ProcessGroup
 from infermesh.supervisor import SupervisedGroup, Supervisor
 
-
 PD_HEARTBEAT_TTL_S = 15.0  # vLLM P/D workers on CPU (see start_processes)
 
 

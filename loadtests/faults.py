@@ -26,9 +26,9 @@ from pathlib import Path
 
 import psutil
 
-from shared.ports import free_port
 from loadtests.lib.faults_load import Load, first_success_after
 from loadtests.lib.faults_report import ledger_rows, phase_report, write_report
+from shared.ports import free_port
 
 KEY = "faults-key"
 FAULTS = {  # fault -> what its process's command line contains

@@ -30,8 +30,8 @@ import time
 import uuid
 from pathlib import Path
 
-from infermesh.processes import ProcessGroup
 from infermesh.bus_auth import admin_credentials
+from infermesh.processes import ProcessGroup
 from infermesh.up import MeshOptions, start_processes, wait_ready, worker_processes
 from loadtests.lib.http_agents import LiveDriver, SafeVocab, peak_token_rate, rescale
 from loadtests.lib.report import RequestRecord, summarize, write_markdown_table, write_report

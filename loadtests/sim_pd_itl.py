@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.lib.fleet_sim import FleetConfig, FleetSim
-from loadtests.replay import DEFAULT_TRACE
 from loadtests.lib.report import _json_safe, summarize
-from loadtests.sim_experiments import RESULTS, THINK_S, fleet
 from loadtests.lib.stats import median_finite, median_over, percentile, quantile_points, ratio, share_above
 from loadtests.lib.workloads import AgentSessions, MooncakeTrace, Workload
+from loadtests.replay import DEFAULT_TRACE
+from loadtests.sim_experiments import RESULTS, THINK_S, fleet
 from services.worker.engines.cost_model import load_profile
 from services.worker.engines.scheduler import SimRequest
 

@@ -56,8 +56,8 @@ import openai
 from infermesh.local import LocalMesh
 from infermesh.processes import nats_server_binary
 from loadtests.lib.stats import percentile
-from loadtests.lib.tool_soak_shape import Outcome, classify, read_completion, read_stream
 from loadtests.lib.tool_soak_plan import Plan, Sizing, plan_requests
+from loadtests.lib.tool_soak_shape import Outcome, classify, read_completion, read_stream
 from shared.ports import free_port, wait_for_port
 
 MODEL = "tiny"

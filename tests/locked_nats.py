@@ -11,8 +11,15 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infermesh.bus_auth import TlsFiles, load_or_create_secrets, nats_url, provision, role_credentials, server_config, \
-    write_private
+from infermesh.bus_auth import (
+    TlsFiles,
+    load_or_create_secrets,
+    nats_url,
+    provision,
+    role_credentials,
+    server_config,
+    write_private,
+)
 from infermesh.bus_roles import Role
 from infermesh.processes import nats_server_binary
 from shared.bus import Bus

@@ -145,8 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import triton
 
-    from kernels.nvfp4 import api
-    from kernels.nvfp4 import reference as ref
+    from kernels.nvfp4 import api, reference as ref
 
     torch.backends.cuda.matmul.allow_tf32 = False  # the torch reference must stay FP32
     started = time.monotonic()

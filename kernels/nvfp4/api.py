@@ -7,8 +7,7 @@ import math
 import torch
 import triton
 
-from kernels.nvfp4 import triton_attention as attn
-from kernels.nvfp4 import triton_kernels as codec
+from kernels.nvfp4 import triton_attention as attn, triton_kernels as codec
 from kernels.nvfp4.format import LATENT_DIM, NVFP4_ROW_BYTES, ROW_DIM, Nvfp4Scales
 from kernels.nvfp4.reference import to_f32
 

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.nvfp4 import format as fmt
-from kernels.nvfp4 import reference as ref
+from kernels.nvfp4 import format as fmt, reference as ref
 
 NUM_SLOTS = 4096
 NUM_HEADS = 64

@@ -32,6 +32,7 @@ import uuid
 from collections import Counter
 
 from nats.aio.msg import Msg
+
 from services.admission.budgets import Budgets, HoldChanges, OverBudget
 from services.admission.config import AdmissionConfig, parse_teams
 from services.admission.leader import Leadership
@@ -42,8 +43,18 @@ from shared.bus import Bus
 from shared.kv_cas import ensure_bucket
 from shared.kv_follower import KvFollower
 from shared.registry import WorkerDirectory
-from shared.schema import (SERVING_ROLES, LeaseGranted, LeaseRecord, LeaseRejected, LeaseRelease, LeaseRenew, LeaseRenewReply,
-                           LeaseRequest, PriceSheet, TeamSpend)
+from shared.schema import (
+    SERVING_ROLES,
+    LeaseGranted,
+    LeaseRecord,
+    LeaseRejected,
+    LeaseRelease,
+    LeaseRenew,
+    LeaseRenewReply,
+    LeaseRequest,
+    PriceSheet,
+    TeamSpend,
+)
 
 log = logging.getLogger("infermesh.admission")
 

@@ -15,7 +15,13 @@ from typing import get_args
 from shared import errors
 from shared.bus import Bus, BusError
 from shared.schema import (
-    LeaseGranted, LeaseRelease, LeaseRenew, LeaseRenewReply, LeaseReply, LeaseRequest, RequestClass,
+    LeaseGranted,
+    LeaseRelease,
+    LeaseRenew,
+    LeaseRenewReply,
+    LeaseReply,
+    LeaseRequest,
+    RequestClass,
 )
 
 log = logging.getLogger("infermesh.edge")

@@ -21,17 +21,17 @@ import msgspec
 from opentelemetry import trace
 from opentelemetry.propagate import extract
 
-from shared import errors
 from services.edge.admission import CLASSES
+from services.edge.attempt import StreamBroken, Usage
 from services.edge.config import EdgeConfig
 from services.edge.http import HttpRequest, JsonReply, Reply, SseReply
 from services.edge.keys import Caller
-from services.edge.attempt import StreamBroken, Usage
 from services.edge.mesh import EdgeMesh, RouteHints
-from services.edge.prep import Peek, PrepJob, PrepPool, Prepared, peek
+from services.edge.prep import Peek, Prepared, PrepJob, PrepPool, peek
 from services.edge.protocol import MAX_ID_LENGTH
 from services.edge.tokenizer import ModelTokenizer
 from services.edge.tools import ContentDelta, ToolCallParser, ToolLimits, make_parser
+from shared import errors
 from shared.schema import BillingContext, LeaseRelease, UsageEvent
 from shared.telemetry import tracer, tracing_enabled
 

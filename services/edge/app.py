@@ -11,8 +11,8 @@ from litestar.handlers import asgi
 from litestar.types import Receive, Scope, Send
 
 from services.edge import http
-from shared import errors
 from services.edge.api import EdgeApi
+from shared import errors
 
 log = logging.getLogger("infermesh.edge")
 

@@ -40,7 +40,20 @@ import msgspec
 
 from services.edge.admission import AdmissionClient
 from services.edge.attempt import (
-    TERMINAL, Abort, Action, Close, Emit, Fail, Finish, Limits, Report, RequestRun, Route, Send, Settle, Usage,
+    TERMINAL,
+    Abort,
+    Action,
+    Close,
+    Emit,
+    Fail,
+    Finish,
+    Limits,
+    Report,
+    RequestRun,
+    Route,
+    Send,
+    Settle,
+    Usage,
 )
 from services.edge.config import EdgeConfig
 from services.edge.keys import KeyDirectory
@@ -53,7 +66,16 @@ from shared.edges import edge_registration
 from shared.liveness import Registration, ping
 from shared.prefix_hash import prompt_hashes
 from shared.registry import WorkerDirectory
-from shared.schema import AbortRequest, BillingContext, Outcome, RouteDecision, RouteReply, RouteRequest, SamplingParams, WorkerInfo
+from shared.schema import (
+    AbortRequest,
+    BillingContext,
+    Outcome,
+    RouteDecision,
+    RouteReply,
+    RouteRequest,
+    SamplingParams,
+    WorkerInfo,
+)
 from shared.usage import UsagePublisher, ensure_usage_stream
 
 log = logging.getLogger("infermesh.edge")
@@ -305,7 +327,7 @@ class EdgeMesh:
         elif isinstance(action, Report):
             self._report(action.worker_id, action.stream_id, action.ok, action.kind, action.ttft_ms)
         elif isinstance(action, Abort):
-            self._spawn(self._abort(action.worker_id, action.stream_id))
+            self._spawn(self._abort(action.worker_id, action.stream_id, action.superseded))
             stream = streams.get(action.stream_id)
             if action.drain and stream is not None:  # its end message (final counts) is awaited shortly
                 stream.deadline = min(stream.deadline, time.monotonic() + self.config.abort_drain_timeout_s)
@@ -331,8 +353,8 @@ class EdgeMesh:
         self._spawn(self.bus.publish(self.bus.subjects.outcome(worker_id),
                                      Outcome(worker_id, request_id, ok, kind, ttft_ms, time.time())))
 
-    async def _abort(self, worker_id: str, request_id: str) -> None:
+    async def _abort(self, worker_id: str, request_id: str, superseded: bool = False) -> None:
         try:
-            await self.bus.publish(self.bus.subjects.worker_abort(worker_id), AbortRequest(request_id))
+            await self.bus.publish(self.bus.subjects.worker_abort(worker_id), AbortRequest(request_id, superseded))
         except Exception as exc:
             log.warning("abort of %s failed: %s", request_id, exc)

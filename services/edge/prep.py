@@ -37,12 +37,19 @@ from typing import Any, Literal
 
 import msgspec
 
-from shared import errors
-from services.edge.protocol import (ChatCompletionRequest, CompletionRequest, InvalidRequest, Sampling, parse_body,
-                                    validate_chat, validate_completion)
+from services.edge.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    InvalidRequest,
+    Sampling,
+    parse_body,
+    validate_chat,
+    validate_completion,
+)
 from services.edge.tools import ToolLimits, ToolSpec, build_constraint
 from services.edge.tools.render import render_messages
 from services.edge.tools.validate import remember_checked, schema_key
+from shared import errors
 from shared.schema import SamplingParams, Structured
 
 log = logging.getLogger("infermesh.edge")

@@ -29,8 +29,15 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from services.edge.tools import (ResponseFormat, ToolLimits, ToolRequestError, ToolSpec, validate_response_format,
-                                 validate_tool_messages, validate_tools)
+from services.edge.tools import (
+    ResponseFormat,
+    ToolLimits,
+    ToolRequestError,
+    ToolSpec,
+    validate_response_format,
+    validate_tool_messages,
+    validate_tools,
+)
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]

@@ -22,10 +22,10 @@ from litestar.exceptions import HTTPException
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
-from shared.errors import ApiError, invalid_api_key, invalid_request
 from services.metering import billing
 from services.metering.keys import hash_key
 from services.metering.models import ApiKey
+from shared.errors import ApiError, invalid_api_key, invalid_request
 
 log = logging.getLogger("infermesh.metering.billing")
 

@@ -15,12 +15,32 @@ from __future__ import annotations
 import datetime as dt
 from typing import get_args
 
-from sqlalchemy import (BigInteger, Boolean, CheckConstraint, Date, DateTime, Float, ForeignKey, Integer, MetaData,
-                        String, UniqueConstraint, func)
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Date,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    UniqueConstraint,
+    func,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from shared.schema import (MAX_KEY_PREFIX, MAX_MODEL, MAX_REQUEST_ID, MAX_TEAM, MAX_TRACE_ID, MAX_WORKER_ID,
-                           UsageFinishReason, UsageStatus)
+from shared.schema import (
+    MAX_KEY_PREFIX,
+    MAX_MODEL,
+    MAX_REQUEST_ID,
+    MAX_TEAM,
+    MAX_TRACE_ID,
+    MAX_WORKER_ID,
+    UsageFinishReason,
+    UsageStatus,
+)
 
 NAME = String(MAX_TEAM)
 MODEL = String(MAX_MODEL)

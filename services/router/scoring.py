@@ -29,7 +29,6 @@ from services.router.index import Overlap
 from shared.schema import LoadSnapshot, WorkerInfo
 
 
-
 # ------------------------------------------------------------ load view
 @dataclass(slots=True)
 class Pending:

@@ -29,8 +29,20 @@ from services.router.session_store import BindingConflict, SessionStore
 from shared.breakers import BreakerView
 from shared.bus import Bus, BusError
 from shared.registry import WorkerDirectory
-from shared.schema import (KvEventBatch, KvReplayReply, KvReplayRequest, KvSnapshot, KvSnapshotRequest, LoadSnapshot,
-                           RouteDecision, RouteDecisionEvent, RouteRequest, SERVING_ROLES, SessionBinding, WorkerInfo)
+from shared.schema import (
+    SERVING_ROLES,
+    KvEventBatch,
+    KvReplayReply,
+    KvReplayRequest,
+    KvSnapshot,
+    KvSnapshotRequest,
+    LoadSnapshot,
+    RouteDecision,
+    RouteDecisionEvent,
+    RouteRequest,
+    SessionBinding,
+    WorkerInfo,
+)
 from shared.telemetry import tracer
 
 log = logging.getLogger("infermesh.router")

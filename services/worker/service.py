@@ -29,14 +29,22 @@ from services.worker.config import WorkerConfig
 from services.worker.engine_restart import EngineRestartPolicy
 from services.worker.engines import Engine, EngineRequestError, EngineSpec, create_engine
 from services.worker.engines.base import EngineDead, PromptTokens
+from services.worker.kv_log import KvEventLog
 from services.worker.orphans import OrphanReaper
 from shared import schema
 from shared.bus import Bus, TokenStreamSender, is_reply_inbox
 from shared.registry import WorkerRegistration
-from services.worker.kv_log import KvEventLog
-from shared.schema import (AbortRequest, GenerateRequest, KvReplayReply, KvReplayRequest, KvSnapshot, KvSnapshotRequest,
-                           LoadRequest,
-                           LoadSnapshot, WorkerInfo)
+from shared.schema import (
+    AbortRequest,
+    GenerateRequest,
+    KvReplayReply,
+    KvReplayRequest,
+    KvSnapshot,
+    KvSnapshotRequest,
+    LoadRequest,
+    LoadSnapshot,
+    WorkerInfo,
+)
 from shared.telemetry import tracer
 
 log = logging.getLogger("infermesh.worker")
@@ -274,6 +282,8 @@ class WorkerService:
                 self._load_changed.set()
 
     async def _on_abort(self, request: AbortRequest, raw: Msg) -> None:
+        if request.superseded:  # the edge's next attempt bills the request: this one is nobody's orphan
+            self.orphans.untrack(request.request_id)
         if request.request_id in self._tasks:
             await self.engine.abort(request.request_id)
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
 
-from shared.ports import free_port, wait_for_port
 from services.metering.billing_api import create_billing_app
 from services.metering.models import Base
+from shared.ports import free_port, wait_for_port
 from tests.unit.test_billing_queries import KEYS, seed_ledger
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -14,9 +14,9 @@ import pytest
 
 from infermesh import cli
 from infermesh.bus_auth import SECRETS_FILE, admin_credentials
-from shared.ports import free_port
 from shared.bus import Bus, BusError
 from shared.nats_auth import NatsCredentials
+from shared.ports import free_port
 from shared.schema import LoadRequest, LoadSnapshot
 from tests.e2e.mesh_process import UpProcess
 from tests.locked_nats import VIOLATION

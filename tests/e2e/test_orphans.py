@@ -17,8 +17,8 @@ import openai
 import pytest
 
 from infermesh.local import LocalMesh
-from shared.ports import free_port
 from shared import schema
+from shared.ports import free_port
 from shared.schema import StreamEnd, StreamMessage, TokenChunk
 from tests.e2e.test_metering_mesh import KEY, ledger_rows, team_key
 from tests.utils import eventually

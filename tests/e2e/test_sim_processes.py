@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from infermesh.local import LocalMesh
-from shared.ports import free_port
 from shared.bus import Bus
+from shared.ports import free_port
 from shared.schema import LoadRequest, LoadSnapshot
 from tests.e2e.mesh_process import UpProcess
 from tests.utils import eventually

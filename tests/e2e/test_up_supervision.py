@@ -13,8 +13,8 @@ import psutil
 import pytest
 
 from infermesh.bus_auth import admin_credentials
-from shared.ports import free_port
 from shared.bus import Bus
+from shared.ports import free_port
 from shared.registry import workers_bucket
 from shared.schema import WorkerInfo, decode
 from tests.e2e.mesh_process import UpProcess

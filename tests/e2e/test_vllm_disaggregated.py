@@ -16,13 +16,23 @@ import uuid
 import openai
 import pytest
 
-from shared.ports import free_port
 from services.edge.tokenizer import ModelTokenizer
 from shared import schema
 from shared.bus import Bus
+from shared.ports import free_port
 from shared.registry import workers_bucket
-from shared.schema import (GenerateRequest, KvTransfer, LoadRequest, LoadSnapshot, SamplingParams, StreamEnd,
-                           StreamError, StreamMessage, TokenChunk, WorkerInfo)
+from shared.schema import (
+    GenerateRequest,
+    KvTransfer,
+    LoadRequest,
+    LoadSnapshot,
+    SamplingParams,
+    StreamEnd,
+    StreamError,
+    StreamMessage,
+    TokenChunk,
+    WorkerInfo,
+)
 from tests.e2e.mesh_process import tiny_vllm_mesh
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]

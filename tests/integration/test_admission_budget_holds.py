@@ -16,8 +16,20 @@ from services.admission.budgets import month_of
 from shared import schema
 from shared.bus import Bus, BusError
 from shared.kv_cas import ensure_bucket, get_last
-from shared.schema import (BudgetHold, LeaseGranted, LeaseRecord, LeaseRejected, LeaseRelease, LeaseReply,
-                           LeaseRequest, ModelPrice, PriceSheet, TeamSpend, UsageEvent, WorkerInfo)
+from shared.schema import (
+    BudgetHold,
+    LeaseGranted,
+    LeaseRecord,
+    LeaseRejected,
+    LeaseRelease,
+    LeaseReply,
+    LeaseRequest,
+    ModelPrice,
+    PriceSheet,
+    TeamSpend,
+    UsageEvent,
+    WorkerInfo,
+)
 from shared.usage import UsagePublisher, ensure_usage_stream
 from tests.utils import eventually
 

@@ -8,8 +8,8 @@ import signal
 
 import pytest
 
-from shared import errors
 from services.edge.prep import PrepJob, PrepPool, prepare
+from shared import errors
 
 pytestmark = [pytest.mark.integration]
 

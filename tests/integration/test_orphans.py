@@ -15,8 +15,16 @@ from shared import schema
 from shared.bus import Bus, StreamReceiver
 from shared.edges import edge_registration, edges_bucket
 from shared.orphans import ORPHANS_DURABLE, OrphanPublisher, ensure_orphans_stream
-from shared.schema import (BillingContext, GenerateRequest, OrphanUsage, SamplingParams, SignedBilling, StreamEnd,
-                           TokenChunk, UsageEvent)
+from shared.schema import (
+    BillingContext,
+    GenerateRequest,
+    OrphanUsage,
+    SamplingParams,
+    SignedBilling,
+    StreamEnd,
+    TokenChunk,
+    UsageEvent,
+)
 from shared.usage import UsagePublisher, ensure_usage_stream
 from tests.utils import eventually
 

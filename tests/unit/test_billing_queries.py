@@ -13,8 +13,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_asyn
 
 from services.metering import billing
 from services.metering.billing_api import KeyCache, KeyRecord, authorize, bearer_hash
-from shared.errors import ApiError
 from services.metering.models import ApiKey, Base, Budget, Team, Usage, UsageDaily
+from shared.errors import ApiError
 
 D = dt.date
 # name -> (team, prefix, is_admin, revoked); the full key is the prefix plus a fixed tail.

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from kernels.kv_layout import KVRegion, plan_transfer, scattered_placement
-from services.worker.engines.cost_model import (LAYOUTS, PROFILES_DIR, CostModel, _sum_min, load_profile,
-                                                num_descriptors)
+from services.worker.engines.cost_model import LAYOUTS, PROFILES_DIR, CostModel, _sum_min, load_profile, num_descriptors
 
 GB200 = load_profile("gb200-glm53")
 

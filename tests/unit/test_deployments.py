@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from shared.deployments import BreakerState, Deployment, DeploymentBreaker, DeploymentBreakerPolicy, \
-    DeploymentBreakers, Deployments, DeploymentsError, Ticket, Unavailable
+from shared.deployments import (
+    BreakerState,
+    Deployment,
+    DeploymentBreaker,
+    DeploymentBreakerPolicy,
+    DeploymentBreakers,
+    Deployments,
+    DeploymentsError,
+    Ticket,
+    Unavailable,
+)
 
 CLOSED, OPEN, HALF_OPEN = BreakerState.CLOSED, BreakerState.OPEN, BreakerState.HALF_OPEN
 EAST, WEST, SOUTH = Deployment("east", "nsA"), Deployment("west", "nsB"), Deployment("south", "nsC")

@@ -10,10 +10,9 @@ import json
 import pytest
 from jsonschema import Draft202012Validator
 
+from services.edge.prep import Failure, PrepJob, PrepPool, _run, peek, prepare
+from services.edge.tools import ToolLimits, validate as tool_validate
 from shared import errors
-from services.edge.prep import Failure, PrepJob, PrepPool, peek, prepare, _run
-from services.edge.tools import ToolLimits
-from services.edge.tools import validate as tool_validate
 
 USER = [{"role": "user", "content": "hi"}]
 

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from shared import errors
 from services.edge.prep import engine_sampling
 from services.edge.protocol import Sampling
+from shared import errors
 
 TOKENIZER = SimpleNamespace(stop_token_ids=[1, 106])
 

@@ -5,8 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernels.kv_layout import (LAYOUTS, KVRegion, plan_transfer, regions_per_block, scattered_descriptor_count,
-                               scattered_placement)
+from kernels.kv_layout import (
+    LAYOUTS,
+    KVRegion,
+    plan_transfer,
+    regions_per_block,
+    scattered_descriptor_count,
+    scattered_placement,
+)
 from kernels.kv_layout.fit import fit_transfer_model
 
 L = 5  # layers in the small regions below

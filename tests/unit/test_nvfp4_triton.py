@@ -26,8 +26,10 @@ torch = pytest.importorskip("torch", reason="the kernels take torch tensors; tor
 if importlib.util.find_spec("triton") is None:  # justified: see above (no Triton, no kernel to run)
     pytest.skip("Triton is not installed in this environment (the kernels need it)", allow_module_level=True)
 
-from kernels.nvfp4 import format as fmt  # noqa: E402
-from kernels.nvfp4 import reference as ref  # noqa: E402
+from kernels.nvfp4 import (
+    format as fmt,  # noqa: E402
+    reference as ref,  # noqa: E402
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SM_SCALE = 1 / 192 ** 0.5
@@ -43,8 +45,7 @@ def load_interpreted_api():
 
         if not isinstance(tl.max, InterpretedFunction):
             return None
-        from kernels.nvfp4 import api as api_mod
-        from kernels.nvfp4 import triton_attention, triton_kernels
+        from kernels.nvfp4 import api as api_mod, triton_attention, triton_kernels
 
         if not isinstance(triton_kernels.nvfp4_pack_kernel, InterpretedFunction):
             importlib.reload(triton_kernels)

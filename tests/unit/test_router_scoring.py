@@ -9,9 +9,21 @@ from collections import Counter
 import pytest
 
 from services.router.index import Overlap
-from services.router.scoring import (CostWeights, LoadView, apply_filters, breaker_allows, decode_blocks,
-                                     for_model, heartbeat_fresh, in_roles, kv_compatible, not_excluded, pick,
-                                     prefill_blocks, worker_cost)
+from services.router.scoring import (
+    CostWeights,
+    LoadView,
+    apply_filters,
+    breaker_allows,
+    decode_blocks,
+    for_model,
+    heartbeat_fresh,
+    in_roles,
+    kv_compatible,
+    not_excluded,
+    pick,
+    prefill_blocks,
+    worker_cost,
+)
 from shared.schema import SERVING_ROLES, LoadSnapshot, WorkerInfo
 
 BS = 16

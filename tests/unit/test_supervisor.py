@@ -9,8 +9,8 @@ import threading
 import psutil
 import pytest
 
-from infermesh.supervisor import SupervisedGroup, Supervisor, describe_exit, exit_message
 from infermesh.restart_policy import Restart
+from infermesh.supervisor import SupervisedGroup, Supervisor, describe_exit, exit_message
 
 
 class Clock:

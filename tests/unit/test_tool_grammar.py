@@ -3,9 +3,8 @@
 import json
 
 import pytest
-from xgrammar.testing import _is_grammar_accept_string as accepts
-
 import xgrammar
+from xgrammar.testing import _is_grammar_accept_string as accepts
 
 from services.edge.tools.grammar import ConstraintCache, build_constraint, build_response_constraint, grammar_schema
 from services.edge.tools.validate import validate_response_format, validate_tools

@@ -2,8 +2,13 @@
 
 import pytest
 
-from services.edge.tools.validate import (EMPTY_PARAMETERS, ToolRequestError, validate_response_format,
-                                          validate_tool_messages, validate_tools)
+from services.edge.tools.validate import (
+    EMPTY_PARAMETERS,
+    ToolRequestError,
+    validate_response_format,
+    validate_tool_messages,
+    validate_tools,
+)
 
 OBJ = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 

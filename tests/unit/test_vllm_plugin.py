@@ -23,8 +23,9 @@ def test_a_rewindless_generator_keeps_the_state_and_ignores_offsets() -> None:
 def test_the_plugin_is_registered_and_patches_the_input_batch_once() -> None:
     from importlib.metadata import entry_points
 
-    from services.worker.engines.vllm_plugin import patch_input_batch
     from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    from services.worker.engines.vllm_plugin import patch_input_batch
 
     assert "services.worker.engines.vllm_plugin:register" in {e.value for e in entry_points(group="vllm.general_plugins")}
     patch_input_batch()

@@ -22,12 +22,26 @@ Formats (``fmt``, chosen per model in config): "hermes" (Hermes / Qwen: ``<tool_
 so the glm format needs ``skip_special_tokens=False``.
 """
 
-from services.edge.tools.grammar import (Constraint, ConstraintCache, JSON_SCHEMA_COMPILE_OPTIONS, TOOL_FORMATS,
-                                         build_constraint, build_response_constraint)
+from services.edge.tools.grammar import (
+                                         JSON_SCHEMA_COMPILE_OPTIONS,
+                                         TOOL_FORMATS,
+                                         Constraint,
+                                         ConstraintCache,
+                                         build_constraint,
+                                         build_response_constraint,
+)
 from services.edge.tools.parser import ContentDelta, Delta, Result, ToolCallDelta, ToolCallParser, make_parser
 from services.edge.tools.render import assistant_tool_calls_text, render_tools_system_prompt, tool_result_text
-from services.edge.tools.validate import (ResponseFormat, Tool, ToolLimits, ToolRequestError, ToolSpec,
-                                          validate_response_format, validate_tool_messages, validate_tools)
+from services.edge.tools.validate import (
+                                         ResponseFormat,
+                                         Tool,
+                                         ToolLimits,
+                                         ToolRequestError,
+                                         ToolSpec,
+                                         validate_response_format,
+                                         validate_tool_messages,
+                                         validate_tools,
+)
 
 __all__ = [
     "Constraint", "ConstraintCache", "JSON_SCHEMA_COMPILE_OPTIONS", "TOOL_FORMATS", "build_constraint",

@@ -26,8 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from kernels.kv_layout import LAYOUTS as LAYOUTS  # re-exported: the layouts the sim knows
-from kernels.kv_layout import scattered_descriptor_count
+from kernels.kv_layout import (
+    LAYOUTS as LAYOUTS,  # re-exported: the layouts the sim knows
+    scattered_descriptor_count,
+)
 
 PROFILES_DIR = Path(__file__).with_name("profiles")
 

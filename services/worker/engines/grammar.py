@@ -75,8 +75,8 @@ import hashlib
 import json
 import random
 import threading
-from collections.abc import Sequence
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,8 +84,13 @@ import torch
 import xgrammar as xgr
 
 from services.worker.engines import utf8_mask
-from services.worker.engines.call_ends import (MAX_TAGS_PRICED, CallShape, call_shape, greedy_token_count,
-                                               trigger_token_ids)
+from services.worker.engines.call_ends import (
+    MAX_TAGS_PRICED,
+    CallShape,
+    call_shape,
+    greedy_token_count,
+    trigger_token_ids,
+)
 from shared.schema import Structured
 
 _CLOSERS = frozenset(b'"}]')

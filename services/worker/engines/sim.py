@@ -22,8 +22,14 @@ import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
-from services.worker.engines.base import (Engine, EngineHookError, EngineLoad, EngineOutput, EngineRequestError,
-                                          EngineSpec)
+from services.worker.engines.base import (
+    Engine,
+    EngineHookError,
+    EngineLoad,
+    EngineOutput,
+    EngineRequestError,
+    EngineSpec,
+)
 from services.worker.engines.block_pool import hash_block
 from services.worker.engines.cost_model import CostModel, load_profile
 from services.worker.engines.scheduler import SimRequest

@@ -86,8 +86,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.sampling_params import SamplingParams as VllmSampling
-from vllm.sampling_params import StructuredOutputsParams
+from vllm.sampling_params import SamplingParams as VllmSampling, StructuredOutputsParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 

@@ -25,12 +25,19 @@ import asyncio
 import logging
 import math
 import os
-from dataclasses import dataclass
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterator, Sequence
 
-from services.worker.engines.base import (Engine, EngineHookError, EngineLoad, EngineOutput, EngineRequestError,
-                                          EngineSpec, PromptTokens)
+from services.worker.engines.base import (
+    Engine,
+    EngineHookError,
+    EngineLoad,
+    EngineOutput,
+    EngineRequestError,
+    EngineSpec,
+    PromptTokens,
+)
 from shared.schema import KvTransfer, SamplingParams
 
 log = logging.getLogger("infermesh.worker.vllm")

@@ -8,8 +8,7 @@ import json
 
 import pytest
 
-from tests.conformance.tool_calls.corpus import (BY_NAME, SPECIAL_TOOL, SPECIAL_VALUES, TOOLS, argument_errors,
-                                                 schema_of)
+from tests.conformance.tool_calls.corpus import BY_NAME, SPECIAL_TOOL, SPECIAL_VALUES, TOOLS, argument_errors, schema_of
 from tests.conformance.tool_calls.harness import ask, ask_both, check_calls, named
 
 pytestmark = [pytest.mark.e2e]

@@ -17,9 +17,22 @@ import pytest
 from services.edge.text import IncrementalDetokenizer
 from services.edge.tools import validate_tools
 from services.edge.tools.render import render_messages
-from tests.conformance.tool_calls.corpus_unicode import (ACCENTED, BAD_NAMES, BY_NAME, DONE, FAMILY, FLAG_JP, FLAG_KR,
-                                                         LITERALS, NFC_E, NFD_E, RTL_CONST, TOOLS, raw_in,
-                                                         strings_in)
+from tests.conformance.tool_calls.corpus_unicode import (
+    ACCENTED,
+    BAD_NAMES,
+    BY_NAME,
+    DONE,
+    FAMILY,
+    FLAG_JP,
+    FLAG_KR,
+    LITERALS,
+    NFC_E,
+    NFD_E,
+    RTL_CONST,
+    TOOLS,
+    raw_in,
+    strings_in,
+)
 from tests.conformance.tool_calls.harness import Answer, ask, ask_both, check_calls, named
 
 MAX_TOKENS = 384
