@@ -460,6 +460,8 @@ class GenerateRequest(Struct, frozen=True):
 
 class AbortRequest(Struct, frozen=True):
     request_id: str
+    # another attempt (a retry or a migration) carries the request on and bills it: never an orphan's report
+    superseded: bool = False
 
 
 class TokenChunk(Struct, frozen=True, tag="tok"):

@@ -21,6 +21,7 @@ was drained. The client's usage is one request whatever the migrations; what the
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Union
@@ -114,11 +115,14 @@ class Report:
 
 @dataclass(frozen=True, slots=True)
 class Abort:
-    """Abort the stream on its worker. ``drain``: keep reading it, shortly, and feed its end message in."""
+    """Abort the stream on its worker. ``drain``: keep reading it, shortly, and feed its end message in.
+    ``superseded``: another attempt carries the request on, and bills it: the worker never reports this one
+    as an orphan's (were the edge to die, its counts are in the new attempt's)."""
 
     worker_id: str
     stream_id: str
     drain: bool = False
+    superseded: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,7 +325,7 @@ class RequestRun:
             api_error = _api_error(error)
             if retryable and a.index < self.limits.retries:
                 self.first_failure = self.first_failure or api_error
-                return actions + self._next_attempt()
+                return self._next_attempt(actions)
             return actions + self._fail(api_error)
         if len(self.output) >= self.sampling.max_tokens:  # every token was sent, only the end was lost
             self.phase = Phase.FINISHED
@@ -329,18 +333,20 @@ class RequestRun:
             return actions + text + self._finish("stop" if hit else "length", None)
         if retryable and self.migrations < self.limits.migrations:
             self.broke_with = (error.code, f"{error.code}: {error.message}")
-            return actions + self._next_attempt()
+            return self._next_attempt(actions)
         why = f"{error.code}: {error.message}"
         if retryable and self.limits.migrations:
             why += f" (the migration limit of {self.limits.migrations} is reached)"
         return actions + self._break(error.code, why)
 
-    def _next_attempt(self) -> list[Action]:
+    def _next_attempt(self, actions: list[Action]) -> list[Action]:
+        """The failed attempt's actions, its abort marked superseded, then routing the next attempt."""
+        actions = [dataclasses.replace(x, superseded=True) if isinstance(x, Abort) else x for x in actions]
         self.excluded.append(self.attempt.worker_id)
         index = self.attempt.index + 1
         self.attempt = _Attempt(index, f"{self.request_id}-a{index}")  # a fresh stream subject
         self.phase = Phase.ROUTING
-        return [Route(self._routing())]
+        return [*actions, Route(self._routing())]
 
     def _drained(self, end: StreamEnd | None) -> list[Action]:
         """A cancelled request's abort drained: the engine's end message (None: none came in time) settles it.

@@ -101,7 +101,8 @@ def brief(action: Action) -> tuple:
         return ("ok", action.worker_id, action.stream_id) if action.ok else \
             ("bad", action.worker_id, action.stream_id, action.kind)
     if isinstance(action, Abort):
-        return ("drain" if action.drain else "abort", action.worker_id, action.stream_id)
+        kind = "drain" if action.drain else "supersede" if action.superseded else "abort"
+        return (kind, action.worker_id, action.stream_id)
     if isinstance(action, Close):
         return ("close", action.stream_id)
     if isinstance(action, Settle):
@@ -144,9 +145,12 @@ DONE = [("settle", "finished"), ("finish", "stop")]
 ENDED = [("ok", "w1", "r"), ("close", "r"), *DONE]
 PREFILL = [("prefill", "p1", "r-prefill")]
 PREFILLED = [("ok", "p1", "r-prefill"), ("close", "r-prefill"), ("send", "w1", "r")]
-RETRY = [("bad", "w1", "r", "worker_unavailable"), ("abort", "w1", "r"), ("close", "r"), ("route", "r-a1", "w1")]
-MIGRATE = [("bad", "w1", "r", "broken"), ("abort", "w1", "r"), ("close", "r"), ("route", "r-a1", "w1")]
+# the failed attempt's abort is marked superseded: the next attempt bills the request, never the old one's orphan report
+RETRY = [("bad", "w1", "r", "worker_unavailable"), ("supersede", "w1", "r"), ("close", "r"), ("route", "r-a1", "w1")]
+MIGRATE = [("bad", "w1", "r", "broken"), ("supersede", "w1", "r"), ("close", "r"), ("route", "r-a1", "w1")]
 MIGRATED = [("send", "w2", "r-a1")]
+RETRY_ENDS = [RETRY[0], ("abort", "w1", "r"), RETRY[2]]  # the request ends with this attempt: a plain abort
+MIGRATE_ENDS = [MIGRATE[0], ("abort", "w1", "r"), MIGRATE[2]]
 BROKEN = [("settle", "failed"), ("broken",)]
 UNBILLED = [("settle", None)]
 
@@ -190,7 +194,7 @@ TABLE = {
           ("fail", 503, "timeout")]]),
     "no retry left (retries=0)": (
         {"retries": 0}, [routed("w1"), err("worker_unavailable")],
-        [ROUTE, SEND, [*RETRY[:3], *UNBILLED, ("fail", 503, "worker_unavailable")]]),
+        [ROUTE, SEND, [*RETRY_ENDS, *UNBILLED, ("fail", 503, "worker_unavailable")]]),
     "bad_request before the first token: invalid_request, no report": (
         {}, [routed("w1"), err("bad_request")],
         [ROUTE, SEND, [("abort", "w1", "r"), ("close", "r"), *UNBILLED, ("fail", 400, None)]]),
@@ -216,7 +220,7 @@ TABLE = {
         {}, [routed("w1"), tok("he"), err("timeout"), routed("w2"), err("engine_error", "r-a1"), routed("w3"),
              tok("y", "r-a2"), end(stream="r-a2")],
         [ROUTE, SEND, [("emit", "he")], [("bad", "w1", "r", "broken"), *MIGRATE[1:]], MIGRATED,
-         [("bad", "w2", "r-a1", "engine_error"), ("abort", "w2", "r-a1"), ("close", "r-a1"),
+         [("bad", "w2", "r-a1", "engine_error"), ("supersede", "w2", "r-a1"), ("close", "r-a1"),
           ("route", "r-a2", "w1", "w2")], [("send", "w3", "r-a2")], [("emit", "y")],
          [("ok", "w3", "r-a2"), ("close", "r-a2"), *DONE]]),
     "the migration limit is reached: the stream is cut, billed what was sent": (
@@ -226,7 +230,7 @@ TABLE = {
          [("bad", "w2", "r-a1", "broken"), ("abort", "w2", "r-a1"), ("close", "r-a1"), *BROKEN]]),
     "migrations=0: the client opted out": (
         {"migrations": 0}, [routed("w1"), tok("he"), err("worker_unavailable")],
-        [ROUTE, SEND, [("emit", "he")], [*MIGRATE[:3], *BROKEN]]),
+        [ROUTE, SEND, [("emit", "he")], [*MIGRATE_ENDS, *BROKEN]]),
     "no worker takes the migration over": (
         {}, [routed("w1"), tok("he"), err("worker_unavailable"), no_route()],
         [ROUTE, SEND, [("emit", "he")], MIGRATE, BROKEN]),
@@ -235,13 +239,13 @@ TABLE = {
         [ROUTE, SEND, [("emit", "he")], [("abort", "w1", "r"), ("close", "r"), *BROKEN]]),
     "every token was sent when the worker failed: finished by length": (
         {"max_tokens": 3}, [routed("w1"), tok("abc"), err("worker_unavailable")],
-        [ROUTE, SEND, [("emit", "abc")], [*MIGRATE[:3], ("settle", "finished"), ("finish", "length")]]),
+        [ROUTE, SEND, [("emit", "abc")], [*MIGRATE_ENDS, ("settle", "finished"), ("finish", "length")]]),
     "every token was sent, and migrations=0: finished by length all the same": (
         {"max_tokens": 3, "migrations": 0}, [routed("w1"), tok("abc"), err("worker_unavailable")],
-        [ROUTE, SEND, [("emit", "abc")], [*MIGRATE[:3], ("settle", "finished"), ("finish", "length")]]),
+        [ROUTE, SEND, [("emit", "abc")], [*MIGRATE_ENDS, ("settle", "finished"), ("finish", "length")]]),
     "every token was sent: the text held back for a stop string is flushed": (
         {"max_tokens": 3, "stop": ["xyz"]}, [routed("w1"), tok("abc"), err("worker_unavailable")],
-        [ROUTE, SEND, [("emit", "a")], [*MIGRATE[:3], ("emit", "bc"), ("settle", "finished"),
+        [ROUTE, SEND, [("emit", "a")], [*MIGRATE_ENDS, ("emit", "bc"), ("settle", "finished"),
                                         ("finish", "length")]]),
     "the client leaves while routing: nothing billed": (
         {}, [LEFT],
