@@ -142,6 +142,23 @@ async def test_a_request_that_ended_while_its_edge_lived_on_is_not_reported(work
     await receiver.stop()
 
 
+async def test_an_attempt_aborted_as_superseded_is_never_reported_when_its_edge_dies(worker, bus):
+    """A retry or a migration carries the request on elsewhere and bills it: the old attempt, aborted as
+    superseded, is nobody's orphan even if its edge dies right after (it would bill the tokens twice)."""
+    registration = await edge_registration(bus, "e-moves", heartbeat_s=0.2, ttl_s=1)
+    await eventually(lambda: "e-moves" in worker.orphans.directory.edges, 2)
+    receiver, stream = await start_long_request(bus, "e-moves", "req1")
+    await bus.publish(bus.subjects.worker_abort("w-orph"), schema.AbortRequest("req1", superseded=True))
+    while not isinstance(end := await stream.next(), StreamEnd):
+        pass
+    assert end.finish_reason == "abort"
+    await registration.halt()  # the edge dies before its next attempt's usage is published
+    await eventually(lambda: "e-moves" not in worker.orphans.directory.edges, 1 + 2)
+    await eventually(lambda: not worker._tasks, 2)
+    assert worker.orphans.stats["reported"] == 0 and await orphan_reports(bus) == []
+    await receiver.stop()
+
+
 async def test_a_live_edge_out_of_the_bucket_keeps_its_requests(worker, bus):
     registration = await edge_registration(bus, "e-lapsed", heartbeat_s=5, ttl_s=10)
     await eventually(lambda: "e-lapsed" in worker.orphans.directory.edges, 2)
