@@ -22,11 +22,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels.nvfp4 import (
-    api,  # noqa: E402
-    triton_attention as attn,  # noqa: E402
-    triton_kernels as codec,  # noqa: E402
-)
+from kernels.nvfp4 import api, triton_attention as attn, triton_kernels as codec  # noqa: E402
 
 DECODE_SIG = {"q_ptr": "*bf16", "cache_ptr": "*u8", "idx_ptr": "*i32", "acc_ptr": "*fp32", "ml_ptr": "*fp32",
               "num_heads": "i32", "num_slots": "i32", "num_idx": "i32", "tokens_per_split": "i32",

@@ -9,10 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the NVFP4 reference is torch code; torch is part of the vllm extra")
 
-from kernels.nvfp4 import (
-    format as fmt,  # noqa: E402
-    reference as ref,  # noqa: E402
-)
+from kernels.nvfp4 import format as fmt, reference as ref  # noqa: E402
 
 E2M1_GRID = torch.tensor(fmt.E2M1_VALUES)
 

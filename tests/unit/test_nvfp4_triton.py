@@ -26,10 +26,7 @@ torch = pytest.importorskip("torch", reason="the kernels take torch tensors; tor
 if importlib.util.find_spec("triton") is None:  # justified: see above (no Triton, no kernel to run)
     pytest.skip("Triton is not installed in this environment (the kernels need it)", allow_module_level=True)
 
-from kernels.nvfp4 import (
-    format as fmt,  # noqa: E402
-    reference as ref,  # noqa: E402
-)
+from kernels.nvfp4 import format as fmt, reference as ref  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SM_SCALE = 1 / 192 ** 0.5
