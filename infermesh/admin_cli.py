@@ -197,6 +197,6 @@ def _when(moment: dt.datetime) -> str:
 
 
 def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
-    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=True)]
     for row in (header, *rows):
-        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
+        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())

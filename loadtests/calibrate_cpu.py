@@ -30,6 +30,7 @@ import sys
 import time
 import uuid
 from dataclasses import replace
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +112,7 @@ async def measure(model_path: str, core: int, repeats: int, decode_tokens: int, 
             results = await asyncio.gather(*(_timed(engine, _prompt(rng, ctx), decode_tokens) for _ in range(batch)))
             # steady state: only gaps after every request of the batch has its first token
             steady_from = max(arrivals[0] for _, arrivals in results)
-            gaps = [b - a for _, arrivals in results for a, b in zip(arrivals, arrivals[1:]) if a >= steady_from]
+            gaps = [b - a for _, arrivals in results for a, b in pairwise(arrivals) if a >= steady_from]
             gap = statistics.median(gaps)
             decode.append({"batch": batch, "prompt_tokens": ctx, "output_tokens": decode_tokens,
                            "mean_context": ctx + decode_tokens / 2, "num_gaps": len(gaps), "median_gap_s": gap,
@@ -165,10 +166,10 @@ def fit(profile: Profile, points: list[dict[str, Any]], max_byte_rate: float = m
         # pred_i = o * steps_i + r_i; weighted LS in o with weights 1/m_i^2, clamped to o >= 0
         steps = [sum(t[0] for t in ts) for ts in terms]
         roof = [sum(max(f / flop_rate, b / byte_rate) for _, f, b in ts) for ts in terms]
-        num = sum(s * (m - r) / m**2 for s, r, m in zip(steps, roof, meas))
-        den = sum(s * s / m**2 for s, m in zip(steps, meas))
+        num = sum(s * (m - r) / m**2 for s, r, m in zip(steps, roof, meas, strict=True))
+        den = sum(s * s / m**2 for s, m in zip(steps, meas, strict=True))
         o = max(0.0, num / den)
-        err = sum(((o * s + r - m) / m) ** 2 for s, r, m in zip(steps, roof, meas))
+        err = sum(((o * s + r - m) / m) ** 2 for s, r, m in zip(steps, roof, meas, strict=True))
         return o, err
 
     best = (math.inf, 0.0, 0.0, 0.0)
@@ -245,7 +246,7 @@ def _markdown(result: dict[str, Any], command: str) -> str:
         "| point | measured ms | before ms | err before | after ms | err after |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for rb, ra in zip(a["before"], a["after"]):
+    for rb, ra in zip(a["before"], a["after"], strict=True):
         lines.append(f"| {rb['point']} | {rb['measured_s'] * 1e3:.1f} | {rb['predicted_s'] * 1e3:.1f} | "
                      f"{rb['rel_error']:+.0%} | {ra['predicted_s'] * 1e3:.1f} | {ra['rel_error']:+.0%} |")
     cb = a["constants_before"]
@@ -310,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     result["analysis"] = analyse(result["measured"])
     a = result["analysis"]
-    for rb, ra in zip(a["before"], a["after"]):
+    for rb, ra in zip(a["before"], a["after"], strict=True):
         print(f"{rb['point']:24s} measured {rb['measured_s'] * 1e3:8.1f} ms  before {rb['predicted_s'] * 1e3:8.1f} "
               f"({rb['rel_error']:+6.0%})  after {ra['predicted_s'] * 1e3:8.1f} ({ra['rel_error']:+6.0%})")
     print(f"fit: {json.dumps(a['fit'])}")

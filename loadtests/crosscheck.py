@@ -116,7 +116,9 @@ def agreement(ours: list[RequestRecord], report: dict) -> dict:
     mine = sorted(ours, key=lambda r: key(r.arrival_t * 1000, r.num_prompt_tokens, len(r.token_times)))
     theirs = sorted(report["per_request"], key=lambda d: key(d["arrival_time_ms"], d["input_length"],
                                                              d["output_length"]))
-    pairs = [(r, d) for r, d in zip(mine, theirs) if r.first_token_t is not None and d["first_token_ms"] is not None]
+    # not strict: the two runs may finish different numbers of requests ("of" below reports the larger)
+    pairs = [(r, d) for r, d in zip(mine, theirs, strict=False)
+             if r.first_token_t is not None and d["first_token_ms"] is not None]
     first = [abs(r.first_token_t * 1000 - d["first_token_ms"]) for r, d in pairs]
     last = [abs(r.finish_t * 1000 - d["last_token_ms"]) for r, d in pairs]
     return {"matched": len(pairs), "of": max(len(mine), len(theirs)),

@@ -207,7 +207,7 @@ def plot(results: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for r in results:
         label = f"vocab {r['vocab_size']}"
-        for ax, key in zip(axes, ("fill_apply_us", "closing_us")):
+        for ax, key in zip(axes, ("fill_apply_us", "closing_us"), strict=True):
             xs = sorted(r["_samples"][key])
             ax.plot(xs, [i / len(xs) for i in range(len(xs))], label=label)
     axes[0].axvline(50, color="grey", ls="--", lw=1, label="target p50 50 us")

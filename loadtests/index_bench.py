@@ -193,7 +193,7 @@ def bench_ours(w: Workload, queries: dict[int, list], *, batch: int = 32) -> dic
         for h in hashes[:20]:
             index.find_matches(h)  # warm-up
         ns = []
-        for h, (_, expected) in zip(hashes, qs):
+        for h, (_, expected) in zip(hashes, qs, strict=True):
             t0 = time.perf_counter_ns()
             got = index.find_matches(h)
             ns.append(time.perf_counter_ns() - t0)
@@ -225,7 +225,7 @@ def bench_policy(index, w: Workload, size: int, hashes: list[list[int]], expecte
                                    num_prefill_tokens=rng.randint(0, 4096)))
     view, router = policy.RouteView(workers, loads, now), policy.KvAwarePolicy(index)
     ns, best = [], 0
-    for n, (h, exp) in enumerate(zip(hashes, expected)):
+    for n, (h, exp) in enumerate(zip(hashes, expected, strict=True)):
         request = RouteRequest(f"r{n}", MODEL, len(h) * w.block_size, f"s{n}", block_hashes=h,
                                block_size=w.block_size)
         t0 = time.perf_counter_ns()
@@ -245,7 +245,7 @@ def dynamo_worker(workload_path: str, result_path: str) -> None:
     payloads = []  # (worker, serialized event), built before any timing
     for worker, evs in enumerate(spec["events"]):
         for n, (parent, ids) in enumerate(evs):
-            blocks = [{"block_hash": b, "tokens_hash": h} for b, h in zip(ids, local(ids))]
+            blocks = [{"block_hash": b, "tokens_hash": h} for b, h in zip(ids, local(ids), strict=True)]
             payloads.append((worker, json.dumps({"event_id": n, "data": {"stored": {
                 "parent_hash": parent, "blocks": blocks}}}).encode()))
     queries = {int(k): [local(ids) for ids in qs] for k, qs in spec["queries"].items()}
@@ -295,7 +295,7 @@ def bench_dynamo(w: Workload, queries: dict[int, list], reps: int, python: str) 
                      "find_matches": {int(k): _lat_us(ns) for k, ns in run["find_matches"].items()}})
     scores = raw["runs"][0]["scores"]
     mismatches = sum({int(k): v for k, v in got.items()} != expected
-                     for size, qs in queries.items() for got, (_, expected) in zip(scores[str(size)], qs))
+                     for size, qs in queries.items() for got, (_, expected) in zip(scores[str(size)], qs, strict=True))
     return {"version": raw["version"], "runs": runs, "mismatches": mismatches}
 
 
@@ -348,7 +348,7 @@ def plot(result: dict, path: Path) -> None:
                lambda r: [r["find_matches"][t // result["block_size"]][f"p{q}_us"]
                           for t in result["prompt_tokens"] for q in (50, 99)], ticks),
               ("Memory", "RSS growth (MB)", lambda r: [r["rss_growth_mb"]], ["full index"])]
-    for ax, (title, ylabel, values, ticks) in zip(axes, panels):
+    for ax, (title, ylabel, values, ticks) in zip(axes, panels, strict=True):
         names = [n for n in series if "blocks_per_s" in series[n] or title.startswith("find")]
         width = 0.8 / len(names)
         for j, name in enumerate(names):

@@ -169,7 +169,7 @@ def plot(report: dict, path: Path) -> None:
     fig, ax = plt.subplots(2, 2, figsize=(12, 9))
     real = report["real_model"]["descriptors"]
     bss = [int(b) for b in real]
-    for lay, mk in zip(LAYOUTS, "os"):
+    for lay, mk in zip(LAYOUTS, "os", strict=True):
         ax[0, 0].plot(bss, [real[str(b)][lay] for b in bss], marker=mk, label=lay)
     ax[0, 0].set(xscale="log", yscale="log", xlabel="block size (tokens)", ylabel="descriptors",
                  title="GLM-5.3, 200K tokens scattered: descriptors per transfer")
@@ -177,7 +177,7 @@ def plot(report: dict, path: Path) -> None:
     for cfg in sorted({r["config"] for r in report["results"]}):
         for lay in LAYOUTS:
             color = next(colors)
-            for kind, ls, mk in zip(PLACEMENTS, ("-", ":"), "o^"):
+            for kind, ls, mk in zip(PLACEMENTS, ("-", ":"), "o^", strict=True):
                 sel = [r for r in report["results"] if (r["config"], r["layout"], r["placement"]) == (cfg, lay, kind)]
                 if not sel:
                     continue

@@ -235,7 +235,7 @@ def targets(configs: dict[str, dict], per_seed: dict[str, list[dict]]) -> dict:
             entry["ttft_p50_ratio_to_rr"] = summary["ttft_p50_ms"] / rr["ttft_p50_ms"]
             entry["ttft_ok"] = entry["ttft_p50_ratio_to_rr"] <= TTFT_RATIO_TARGET
             entry["ttft_ok_per_seed"] = [k["ttft_p50_ms"] <= TTFT_RATIO_TARGET * r["ttft_p50_ms"]
-                                         for k, r in zip(per_seed[label], rr_runs)]
+                                         for k, r in zip(per_seed[label], rr_runs, strict=True)]
         out[label] = entry
     return out
 

@@ -90,8 +90,8 @@ class CpuSampler:
     def peak_share(self, name: str, window_s: float = 10.0) -> float:
         """The highest share of one core ``name`` used over any window of about ``window_s``."""
         step = max(1, round(window_s / self.interval_s))
-        shares = [(b[1].get(name, 0.0) - a[1].get(name, 0.0)) / (b[0] - a[0])
-                  for a, b in zip(self.samples, self.samples[step:]) if b[0] > a[0]]
+        shares = [(b[1].get(name, 0.0) - a[1].get(name, 0.0)) / (b[0] - a[0])  # each sample and the one step later
+                  for a, b in zip(self.samples, self.samples[step:], strict=False) if b[0] > a[0]]
         return max(shares, default=math.nan)
 
 
@@ -149,7 +149,7 @@ async def finished_by_worker(nats_url: str, options: MeshOptions) -> dict[str, i
         snapshots = [await bus.request(bus.subjects.worker_load(w), LoadRequest(), LoadSnapshot) for w in ids]
     finally:
         await bus.close()
-    return {w: s.num_finished_total for w, s in zip(ids, snapshots)}
+    return {w: s.num_finished_total for w, s in zip(ids, snapshots, strict=True)}
 
 
 def run(args: argparse.Namespace, nats_url: str = "") -> dict:

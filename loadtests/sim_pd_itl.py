@@ -28,6 +28,7 @@ import json
 import math
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +90,7 @@ def measure(label: str, config: FleetConfig, workload: Workload, *, until_s: flo
     records = [r for r in result.records if r.finish_t is not None or r.error]
     summary = summarize(records, num_gpus=config.num_gpus, warmup_s=warmup_s, duration_s=duration_s)
     measured = [r for r in records if r.arrival_t >= warmup_s]
-    gaps = [1000.0 * (b - a) for r in measured for a, b in zip(r.token_times, r.token_times[1:])]
+    gaps = [1000.0 * (b - a) for r in measured for a, b in pairwise(r.token_times)]
     per_request = [1000.0 * (r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1)
                    for r in measured if len(r.token_times) > 1]
     ttft = [1000.0 * (r.first_token_t - r.arrival_t) for r in measured if r.first_token_t is not None]

@@ -134,14 +134,14 @@ def plot(report: dict, path: Path) -> None:
     formats = list(report["results"])
     fig, grid = plt.subplots(len(formats), len(metrics), figsize=(4 * len(metrics), 3.6 * len(formats)),
                              squeeze=False)
-    for fmt, axes in zip(formats, grid):
-        for ax, (key, title) in zip(axes, metrics):
+    for fmt, axes in zip(formats, grid, strict=True):
+        for ax, (key, title) in zip(axes, metrics, strict=True):
             values = [report["results"][fmt][str(c)][k][key] for c, k in cells]
             bars = ax.bar(range(len(cells)), values, color=["#2b7bba", "#2b7bba", "#d95f02", "#d95f02"])
             ax.set_xticks(range(len(cells)), labels, fontsize=8)
             ax.set_title(f"{fmt}: {title}", fontsize=10)
             ax.set_ylim(0, 115)
-            for bar, v in zip(bars, values):
+            for bar, v in zip(bars, values, strict=True):
                 ax.text(bar.get_x() + bar.get_width() / 2, min(v, 100) + 1, f"{v:.1f}", ha="center", fontsize=8)
     fig.suptitle(f"tool calls, {report['engine']} engine, {report['num_schemas']} schemas x {report['seeds']} seeds, "
                  f"max_tokens {report['max_tokens']}", fontsize=10)

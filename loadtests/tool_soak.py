@@ -185,12 +185,12 @@ def summarize(plans: list[Plan], results: list[dict]) -> dict:
     http = Counter(r["why"].split(":")[0] for r in results if r["outcome"] is Outcome.HTTP_ERROR)
     by_kind: dict[str, Counter] = {}
     by_choice: dict[str, Counter] = {}
-    for plan, r in zip(plans, results):
+    for plan, r in zip(plans, results, strict=True):
         for kind in plan.kinds:
             by_kind.setdefault(kind, Counter())[r["outcome"].value] += 1
         by_choice.setdefault(plan.label, Counter())[r["outcome"].value] += 1
     examples: dict[str, list] = {}
-    for plan, r in zip(plans, results):
+    for plan, r in zip(plans, results, strict=True):
         if r["outcome"] not in (Outcome.OK_VALID, Outcome.OK_TEXT):
             kept = examples.setdefault(r["outcome"].value, [])
             if len(kept) < 4:
@@ -224,7 +224,7 @@ def plot(report: dict, path: Path) -> None:
     left.set_ylabel("responses")
     left.set_ylim(0, max(outcomes.values()) * 1.15 + 1)
     left.set_title(f"outcomes of {report['num_requests']} requests", fontsize=10)
-    for bar, n in zip(bars, names):
+    for bar, n in zip(bars, names, strict=True):
         left.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), str(outcomes[n]), ha="center", va="bottom",
                   fontsize=8)
     kinds = report["summary"]["by_mutation"]
@@ -232,7 +232,7 @@ def plot(report: dict, path: Path) -> None:
     for name in names:
         shares = [100.0 * counts.get(name, 0) / max(sum(counts.values()), 1) for counts in kinds.values()]
         right.bar(range(len(kinds)), shares, bottom=bottom, color=colors[name], label=name)
-        bottom = [b + s for b, s in zip(bottom, shares)]
+        bottom = [b + s for b, s in zip(bottom, shares, strict=True)]
     right.set_xticks(range(len(kinds)), list(kinds), rotation=35, ha="right", fontsize=8)
     right.set_ylabel("% of the requests with a tool so mutated")
     right.set_ylim(0, 100)

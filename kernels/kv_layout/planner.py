@@ -46,7 +46,7 @@ class TransferPlan:
     def pairs(self, src_base: int = 0, dst_base: int = 0) -> list[tuple[tuple[int, int], tuple[int, int]]]:
         """((src_addr, len), (dst_addr, len)) pairs, mostly for tests and small transfers."""
         return [((int(s) + src_base, int(n)), (int(d) + dst_base, int(n)))
-                for s, d, n in zip(self.src_offsets, self.dst_offsets, self.lengths)]
+                for s, d, n in zip(self.src_offsets, self.dst_offsets, self.lengths, strict=True)]
 
 
 def _check_compatible(src: KVRegion, dst: KVRegion) -> None:

@@ -111,7 +111,7 @@ def _plot(faults: list[dict], path: Path) -> None:
     for kind in kinds:
         values = [f["errors"].get(kind, 0) for f in faults]
         left.bar(names, values, bottom=bottom, label=kind)
-        bottom = [b + v for b, v in zip(bottom, values)]
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     for i, f in enumerate(faults):
         left.text(i, bottom[i], f"{f['finished']}/{f['requests']} ok\nlost {f['lost']} dbl {f['doubled']}\n"
                   f"hung {f['hung']}", ha="center", va="bottom", fontsize=7)

@@ -97,7 +97,7 @@ class Router:
             return self.workers[next(self._next) % len(self.workers)]
         loads = [self.load(w) for w in self.workers]
         least = min(loads)
-        tied = [w for w, x in zip(self.workers, loads) if x == least]
+        tied = [w for w, x in zip(self.workers, loads, strict=True) if x == least]
         least_loaded = tied[next(self._next) % len(tied)]
         if self.policy == "least_loaded" or session_id is None:
             return least_loaded

@@ -155,7 +155,7 @@ def token_times(event_times: list[float], num_tokens: int, stream_interval: int)
     if len(counts) != len(event_times):
         n = len(event_times)
         counts = [num_tokens // n + (1 if i < num_tokens % n else 0) for i in range(n)]
-    return [t for t, k in zip(event_times, counts) for _ in range(k)]
+    return [t for t, k in zip(event_times, counts, strict=True) for _ in range(k)]
 
 
 class LiveDriver:

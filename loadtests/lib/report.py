@@ -13,6 +13,7 @@ import json
 import math
 import statistics
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 
 from loadtests.lib.stats import percentile
@@ -52,7 +53,7 @@ def _latency_figures(records: list[RequestRecord]) -> dict[str, float]:
     per-user rates. A rare long gap (a decode stalled behind a prefill chunk) barely moves pooled ITL
     percentiles but raises the TPOT of every request it hits."""
     ttft = [r.first_token_t - r.arrival_t for r in records if r.first_token_t is not None]
-    itl = [b - a for r in records for a, b in zip(r.token_times, r.token_times[1:])]
+    itl = [b - a for r in records for a, b in pairwise(r.token_times)]
     queue = [r.scheduled_t - r.arrival_t for r in records if r.scheduled_t is not None]
     finished = [r for r in records if r.error is None and r.finish_t is not None and r.token_times]
     e2e = [len(r.token_times) / (r.finish_t - r.arrival_t) for r in finished if r.finish_t > r.arrival_t]
@@ -157,7 +158,7 @@ def plot(configs: dict[str, dict], path: Path, title: str) -> None:
     colors = plt.get_cmap("tab10").colors
     fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
     width = 0.8 / max(1, len(labels))
-    for ax, (panel_title, ylabel, keys, mult) in zip(axes.flat, PANELS):
+    for ax, (panel_title, ylabel, keys, mult) in zip(axes.flat, PANELS, strict=True):
         for j, label in enumerate(labels):
             values = [configs[label].get(key, math.nan) for key, _ in keys]
             values = [v * mult if v is not None and math.isfinite(v) else math.nan for v in values]

@@ -112,7 +112,7 @@ def plot(report: dict, path: Path) -> None:
             cdf = scenario["configs"][label]["cdf"]
             tail = [1 - q / 100 for q in qs]
             for key, style, what in (("itl_request_ms", "-", "per request"), ("itl_gap_ms", "--", "gaps")):
-                points = [(x, y) for x, y in zip(cdf[key], tail) if x is not None and x > 0 and y > 0]
+                points = [(x, y) for x, y in zip(cdf[key], tail, strict=True) if x is not None and x > 0 and y > 0]
                 ax.plot([x for x, _ in points], [y for _, y in points], style, color=COLORS.get(label),
                         label=f"{label}, {what}")
         ax.set_xscale("log")

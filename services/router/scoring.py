@@ -207,7 +207,7 @@ def pick(costs: dict[str, float], key: str, temperature: float = 0.0) -> str:
     ordered = sorted(costs)
     weights = [math.exp(-(costs[w] - low) / span / temperature) for w in ordered]
     draw = random.Random(zlib.crc32(key.encode())).random() * sum(weights)
-    for worker_id, weight in zip(ordered, weights):
+    for worker_id, weight in zip(ordered, weights, strict=True):
         draw -= weight
         if draw < 0:
             return worker_id

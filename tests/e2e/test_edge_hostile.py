@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from itertools import pairwise
 
 import httpx
 import openai
@@ -100,7 +101,7 @@ async def test_a_stream_keeps_its_pace_while_a_heavy_schema_is_checked(mesh, cli
         await client.chat.completions.create(model="tiny", messages=MESSAGES, tools=big_tools(2500), max_tokens=2)
     checked_for = time.monotonic() - start
     await reader
-    during = [b - a for a, b in zip(arrivals, arrivals[1:]) if start <= b <= start + checked_for]
+    during = [b - a for a, b in pairwise(arrivals) if start <= b <= start + checked_for]
     assert heavy.value.code == "context_length_exceeded" and checked_for > 0.3
     assert during and max(during) < checked_for / 2, (max(during), checked_for)
 

@@ -344,7 +344,7 @@ async def test_streams_of_a_killed_worker_are_billed_and_billing_goes_on(nats_ur
         doomed = max(running, key=running.__getitem__)
         procs[doomed].send_signal(signal.SIGKILL)
         outcomes = await asyncio.gather(*(_drain(stream) for stream in streams))
-        failed = {first.id.removeprefix("cmpl-") for first, ok in zip(firsts, outcomes) if not ok}
+        failed = {first.id.removeprefix("cmpl-") for first, ok in zip(firsts, outcomes, strict=True) if not ok}
         assert len(failed) == running[doomed] >= 1, (running, outcomes)
         more = [await client.completions.create(model="tiny", prompt=[9, i], max_tokens=4) for i in range(6)]
         await eventually(lambda: mesh.meterings[0].stats["inserted"] >= 10, 20)

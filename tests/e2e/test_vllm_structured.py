@@ -177,7 +177,7 @@ async def test_a_failing_hook_fails_its_request_and_the_engine_serves_on(engine,
     for ids, reason in results[:len(healthy)]:
         assert reason == "stop", reason
         _arguments(tokenizer.decode(ids, skip_special_tokens=True), "structural_tag")
-    for stage, result in zip([s for s in STAGES if s != "update"], results[len(healthy):]):
+    for stage, result in zip([s for s in STAGES if s != "update"], results[len(healthy):], strict=True):
         assert isinstance(result, EngineHookError), (stage, result)
         assert f"({stage}: RuntimeError: fault injected at {stage})" in str(result)
     ids, reason = await _run(engine, prompt, _structured("structural_tag", close_within=48), 9, max_tokens=96)

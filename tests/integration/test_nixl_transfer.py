@@ -51,7 +51,7 @@ def test_read_lands_every_slab(reader: NixlReader, layout: str, case: str) -> No
     assert tele["desc_count"] == len(plan)
     assert tele["total_bytes"] == plan.nbytes == len(src_blocks) * region.block_bytes
     source = pattern(NBYTES).view(np.uint8)  # what the target process holds
-    for s, d in zip(src_blocks, dst_blocks):
+    for s, d in zip(src_blocks, dst_blocks, strict=True):
         for layer in range(LAYERS):
             assert np.array_equal(region.block_layer(reader.buf, d, layer), region.block_layer(source, s, layer)), \
                 f"{layout} {case}: block {s} layer {layer} did not land in block {d}"

@@ -32,7 +32,7 @@ async def test_concurrent_binders_of_one_session_end_with_one_binding(buses):
         assert all(binding is None for binding, _ in seen)
         results = await asyncio.gather(*(
             store.put(SessionBinding(session, f"w{i}", 1.0), revision) for i, (store, (_, revision))
-            in enumerate(zip(stores, seen))), return_exceptions=True)
+            in enumerate(zip(stores, seen, strict=True))), return_exceptions=True)
         winners = [i for i, r in enumerate(results) if not isinstance(r, BaseException)]
         assert len(winners) == 1, results
         assert all(isinstance(r, BindingConflict) for i, r in enumerate(results) if i not in winners)

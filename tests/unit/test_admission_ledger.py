@@ -75,7 +75,7 @@ def test_a_waiter_past_its_deadline_is_rejected_with_retry_after():
 ])
 def test_team_limits(limits, asks, expected):
     book = ledger(teams={"a": limits})
-    for i, (tokens, outcome) in enumerate(zip(asks, expected)):
+    for i, (tokens, outcome) in enumerate(zip(asks, expected, strict=True)):
         result = ask(book, f"r{i}", tokens, now=float(i))
         if isinstance(outcome, str):
             assert isinstance(result, Reject) and result.code == outcome

@@ -98,7 +98,7 @@ def test_plan_moves_every_slab_to_its_place(src_layout, dst_layout, seed) -> Non
     dst_buf = np.zeros(dst.nbytes, dtype=np.uint8)
     plan = plan_transfer(src, dst, sb, db)
     apply(plan, src_buf, dst_buf)
-    for s, d in zip(sb, db):
+    for s, d in zip(sb, db, strict=True):
         for layer in range(L):
             assert np.array_equal(dst.block_layer(dst_buf, d, layer), src.block_layer(src_buf, s, layer))
     untouched = [b for b in range(20) if b not in set(db.tolist())]
@@ -147,7 +147,7 @@ def test_glm53_request_counts_and_the_layer_ratio(block_size) -> None:
 def test_scattered_placement_is_seeded_and_distinct() -> None:
     a = scattered_placement(50, 100, seed=3)
     b = scattered_placement(50, 100, seed=3)
-    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
     assert all(np.unique(x).size == 50 and x.max() < 100 for x in a)
     assert not np.array_equal(a[0], a[1])
     with pytest.raises(ValueError):

@@ -66,7 +66,7 @@ def test_chain_property_shared_full_blocks_share_exactly_those_hashes(k):
     ha, hb = prompt_hashes(a, "m"), prompt_hashes(b, "m")
     assert len(ha) == len(hb) == 4
     assert ha[:k] == hb[:k]
-    assert all(x != y for x, y in zip(ha[k:], hb[k:]))  # a difference reaches every later block
+    assert all(x != y for x, y in zip(ha[k:], hb[k:], strict=True))  # a difference reaches every later block
 
 
 def test_a_change_inside_a_block_changes_it_and_every_later_block():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from itertools import pairwise
 
 import pytest
 
@@ -152,6 +153,6 @@ def test_a_readmitted_request_is_not_preempted_by_the_very_next_decode(num_block
         scheduler.add(request)
     finished, batches = _run(scheduler, 5000)
     assert len(finished) == 4 and sum(r.num_preemptions for r in requests) > 0
-    for before, after in zip(batches, batches[1:]):
+    for before, after in pairwise(batches):
         readmitted = {r.request_id for r, _ in before.prefills if r.output_token_ids}
         assert not readmitted & {r.request_id for r in after.preempted}

@@ -54,6 +54,6 @@ def test_worker_flags_carry_role_connector_and_pool_budget(tmp_path):
     start_processes(group, options, "/models/tiny", tmp_path)  # type: ignore[arg-type]
     prefill, decode = group.services["worker-prefill-0"], group.services["worker-decode-0"]
     for args, role, core, budget in ((prefill, "prefill", "0", "4096"), (decode, "decode", "1", "256")):
-        flags = dict(zip(args[::2], args[1::2]))
+        flags = dict(zip(args[::2], args[1::2], strict=True))
         assert flags["--role"] == role and flags["--kv-connector"] == "nixl" and flags["--cpu-core"] == core
         assert flags["--max-num-batched-tokens"] == budget and float(flags["--heartbeat-ttl-s"]) >= 10

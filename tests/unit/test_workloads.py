@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,7 @@ def test_each_turn_extends_the_previous_prompt_and_answer():
     for turns in by_session.values():
         assert [a.turn for a in turns] == list(range(len(turns)))
         assert [a.request_id for a in turns] == [f"{a.session_id}-t{a.turn}" for a in turns]
-        for prev, cur in zip(turns, turns[1:]):
+        for prev, cur in pairwise(turns):
             history = prev.prompt_token_ids + ([] if prev.request_id == "s1-t2" else answer(prev))
             assert cur.prompt_token_ids[:len(history)] == history
             assert len(cur.prompt_token_ids) > len(history)  # new tool results / user input
@@ -185,5 +186,5 @@ def test_real_trace_all_arrivals():
     trace = MooncakeTrace(TRACE)
     arrivals = trace.start()
     assert len(arrivals) == 3993 and len({a.request_id for a in arrivals}) == 3993
-    assert all(a.t <= b.t for a, b in zip(arrivals, arrivals[1:]))
+    assert all(a.t <= b.t for a, b in pairwise(arrivals))
     assert [len(a.prompt_token_ids) for a in arrivals] == [max(1, r.input_length) for r in trace.rows]

@@ -200,7 +200,7 @@ class BlockPool:
         if self._num_blocks_short(len(token_ids), hit_ids) > 0:
             return None
         size = self.block_size
-        for block_hash, block_id in zip(hashes, hit_ids):
+        for block_hash, block_id in zip(hashes, hit_ids, strict=True):
             if block_id is None:
                 self._host_hashes.move_to_end(block_hash)
             else:

@@ -45,7 +45,7 @@ def _check_kept(answer: Answer, tools: list[dict], allow_cut: bool = False) -> l
     for byte), free strings raw unless the model wrote a ``\\u`` escape; a complete call holds no U+FFFD."""
     parsed = check_calls(answer, tools, allow_cut=allow_cut)
     complete = answer.tool_calls[:len(parsed)]
-    for call, args in zip(complete, parsed):
+    for call, args in zip(complete, parsed, strict=True):
         text = call["arguments"]
         assert "\ufffd" not in text, text
         declared = tools_by_name(tools)[call["name"]]["function"]["parameters"]["properties"]
@@ -130,7 +130,7 @@ def test_detokenizer_never_splits_or_drops_bytes(tiny_model):
         assert not any(d.endswith("\ufffd") for d in deltas if d), (ids, deltas)
         deltas.append(detokenizer.flush())
         assert "".join(deltas) == tokenizer.decode(ids), ids
-    for text, ids in zip(texts, sequences):
+    for text, ids in zip(texts, sequences, strict=True):
         assert tokenizer.decode(ids) == text
 
 
