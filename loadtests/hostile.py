@@ -315,14 +315,14 @@ async def gil_check(duration_s: float = 4.0) -> dict[str, dict[str, float]]:
         for mode in ("nothing", "thread", "process"):
             until, gaps = time.monotonic() + duration_s, []
 
-            async def hostile() -> None:
+            async def hostile(mode: str, until: float) -> None:
                 while mode != "nothing" and time.monotonic() < until:
                     if mode == "thread":
                         await asyncio.to_thread(_check_schema)
                     else:
                         await loop.run_in_executor(pool, _check_schema)
 
-            await asyncio.gather(hostile(), *[stream(port, until, gaps) for _ in range(16)])
+            await asyncio.gather(hostile(mode, until), *[stream(port, until, gaps) for _ in range(16)])
             out[mode] = summarize_ms(gaps)
             print(mode, {k: round(v, 1) for k, v in out[mode].items()}, flush=True)
     server.close()

@@ -17,6 +17,7 @@ import statistics
 import sys
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make the repository importable
@@ -115,10 +116,10 @@ def bench_attention(api, ref, rows: torch.Tensor, flush: torch.Tensor, deadline:
                 idx = torch.randint(0, rows.shape[0], (batch, t), device=rows.device, generator=gen, dtype=torch.int32)
                 entry = {"heads": heads, "batch": batch, "selected": t}
                 for block_t in BLOCK_TS:
-                    nv_ms = timed_ms(lambda: api.nvfp4_decode_attention(q, nv_cache, nv_scales, idx, SM_SCALE,
-                                                                        block_t=block_t), flush)
-                    f8_ms = timed_ms(lambda: api.fp8_decode_attention(q, f8_cache, f8_scale, idx, SM_SCALE,
-                                                                      block_t=block_t), flush)
+                    nv_ms = timed_ms(partial(api.nvfp4_decode_attention, q, nv_cache, nv_scales, idx, SM_SCALE,
+                                             block_t=block_t), flush)
+                    f8_ms = timed_ms(partial(api.fp8_decode_attention, q, f8_cache, f8_scale, idx, SM_SCALE,
+                                             block_t=block_t), flush)
                     entry[f"block_t_{block_t}"] = {"nvfp4_us": nv_ms * 1e3, "fp8_us": f8_ms * 1e3}
                 nv_best = min(entry[f"block_t_{b}"]["nvfp4_us"] for b in BLOCK_TS)
                 f8_best = min(entry[f"block_t_{b}"]["fp8_us"] for b in BLOCK_TS)

@@ -51,7 +51,7 @@ def ratio_table(scenarios: dict[str, dict]) -> str:
              "| TTFT p50 | out tok/s/GPU |", "|---|---|---:|---:|---:|---:|---:|"]
     for name, scenario in scenarios.items():
         for label, r in scenario["ratios"].items():
-            def with_seeds(key: str) -> str:
+            def with_seeds(key: str, r: dict = r) -> str:
                 seeds = [x for x in r.get(f"{key}_per_seed", []) if x is not None]
                 spread = f" ({', '.join(change(x) for x in seeds)})" if len(seeds) > 1 else ""
                 return f"{fmt(r[key], 2)} = {change(r[key])}{spread}"

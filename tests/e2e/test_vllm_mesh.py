@@ -149,7 +149,8 @@ async def test_client_disconnect_aborts_the_vllm_request_within_a_second(mesh, n
         left = time.monotonic()
         ended: dict[str, int] = {}
 
-        async def ended_somehow() -> bool:
+        async def ended_somehow(ended: dict[str, int] = ended, aborted: int = aborted,
+                                finished: int = finished) -> bool:  # bound to this try's values
             loads = await _loads(bus)
             ended["aborted"] = sum(s.num_aborted_total for s in loads) - aborted
             ended["finished"] = sum(s.num_finished_total for s in loads) - finished

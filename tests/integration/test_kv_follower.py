@@ -134,7 +134,7 @@ async def test_nothing_is_applied_once_stop_is_called_even_in_the_middle_of_a_bu
         for i in range(2000):  # fire and forget: updates arrive in batches and queue up in the watcher
             await writer.nc.publish(f"$KV.{bucket}.k{trial}-{i}", view.encode(f"k{trial}-{i}"))
         await writer.nc.flush()
-        await eventually(lambda: len(held) > already, 5, 0)
+        await eventually(lambda held=held, already=already: len(held) > already, 5, 0)
         at_stop = len(held)
         await followed.stop()
         assert len(held) == at_stop, f"trial {trial}: {len(held) - at_stop} updates applied after stop()"
