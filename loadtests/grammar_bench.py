@@ -139,7 +139,7 @@ def bench_tokenizer(path: str, vocab_size: int, tokens_per_schema: int, close_wi
     logits = torch.zeros(1, cache.vocab_size, dtype=torch.float32)
     fill_apply_us, closing_us, cold_ms, warm_ms = [], [], [], []
     num_valid = num_calls = 0
-    for i, (name, schema) in enumerate(TOOLS.items()):
+    for i, schema in enumerate(TOOLS.values()):
         structured = Structured("json_schema", json.dumps(schema), close_within)
         t = time.perf_counter()
         compiled = cache.compile(structured)

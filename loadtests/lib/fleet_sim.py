@@ -347,7 +347,7 @@ class FleetSim:
         produced = worker.end_step(step, self.now)  # type: ignore[arg-type]
         if self.kv_router is not None:
             self.kv_router.sync(worker)
-        for request, token in produced:
+        for request, _token in produced:
             client = self._clients[request.request_id]
             record = client.record
             if record.scheduled_t is None:

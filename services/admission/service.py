@@ -140,7 +140,7 @@ class AdmissionService:
         self._subs = []
         if self._tick is not None:
             self._tick.cancel()
-        for ticket, raw in list(self._waiting.items()):  # queued requests: ask again (the new leader)
+        for raw in list(self._waiting.values()):  # queued requests: ask again (the new leader)
             await self.bus.respond(raw, LeaseRejected("admission_moved", "admission changed leader", 0.5))
         self._waiting.clear()
         self.ledgers.clear()

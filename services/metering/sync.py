@@ -55,7 +55,7 @@ async def load_budgets(engine: AsyncEngine, month: str) -> dict[str, int]:
         rows = await conn.execute(select(Budget.team, Budget.month, Budget.amount_micros)
                                   .where(Budget.month.in_([month, ANY_MONTH])))
         budgets: dict[str, int] = {}
-        for team, row_month, micros in sorted(rows.all(), key=lambda r: r[1] != ANY_MONTH):
+        for team, _month, micros in sorted(rows.all(), key=lambda r: r[1] != ANY_MONTH):
             budgets.setdefault(team, micros * 1000)  # the month's own row sorts first
         return budgets
 

@@ -139,7 +139,8 @@ async def test_a_killed_edges_50_leases_lapse_within_the_ttl(nats_url, namespace
             await eventually(ready, 30, 0.2)
             body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True, "stream": True}
             streams = [asyncio.create_task(_open_stream(http, body)) for _ in range(50)]
-            await eventually(lambda: sum(len(l.leases) for a in mesh.admissions for l in a.ledgers.values()) == 50, 20)
+            await eventually(lambda: sum(len(book.leases) for a in mesh.admissions
+                                         for book in a.ledgers.values()) == 50, 20)
             held = used(mesh)
             edge.send_signal(signal.SIGKILL)
             killed = time.monotonic()

@@ -165,7 +165,7 @@ async def test_budget_stops_a_team_within_one_request(nats_url, namespace, tiny_
         statuses: list[str] = []
 
         async def agent(n: int) -> None:
-            for i in range(10):
+            for _ in range(10):
                 try:
                     await client.completions.create(model="tiny", prompt=[5 + n] * 40, max_tokens=MAX_TOKENS,
                                                     extra_body={"ignore_eos": True})
