@@ -118,7 +118,8 @@ class Supercluster:
             if server.name in self.running():
                 continue
             server.store_dir.mkdir(parents=True, exist_ok=True)
-            # ProcessGroup's children die with this process (PR_SET_PDEATHSIG), and log to <folder>/<name>.log
+            # ProcessGroup's children log to <folder>/<name>.log and die with the thread that started them
+            # (PR_SET_PDEATHSIG is per thread): start servers from a thread that lives as long as they should
             child = self._group.spawn(server.name, [nats_server_binary(), "-c", str(self.plan.config_path(server))])
             self._procs[server.name] = child.popen
             started.append(server)
@@ -128,8 +129,9 @@ class Supercluster:
 
     # ------------------------------------------------------------ readiness
     def wait_ready(self, timeout_s: float = 30.0, clusters: Sequence[str] | None = None) -> None:
-        """Until every running server of ``clusters`` (default: all) has its gateways to every other running
-        cluster up and JetStream healthy (a meta leader known, its streams current)."""
+        """Until every running server of ``clusters`` (default: all) has its routes to its running peers and its
+        gateways to every other running cluster up, and JetStream healthy (a meta leader known, assets current).
+        A paused cluster's servers count as running: they never become ready until resumed."""
         deadline = time.monotonic() + timeout_s
         running = set(self.running())
         live_clusters = {s.cluster for s in self.plan.servers() if s.name in running}
