@@ -3,20 +3,32 @@
 Derived from ``shared/subjects.py`` (``<ns>`` is the namespace; a KV put is a publish on ``$KV.<bucket>.<key>``,
 a KV read a consumer on ``KV_<bucket>`` or a direct get; JetStream API calls are publishes on ``$JS.API.>``):
 
-| role      | publishes                                                       | subscribes                      | KV writes            | KV reads                      |
-|-----------|-----------------------------------------------------------------|---------------------------------|----------------------|-------------------------------|
-| edge      | router.route, worker.*.generate/abort/ping, admission.*,        | stream.> (token streams),       | edges (heartbeats)   | workers, breakers, api_keys   |
-|           | outcome.*, usage (JetStream); the orphans consumer's acks       | edge.*.ping                     |                      |                               |
-| router    | router.decisions, worker.*.kv_replay/kv_snapshot; replies       | router.route, router.*.explain, | sessions, breakers   | workers                       |
-|           |                                                                 | router.decisions, kv.*, load.*  | (probe permits)      |                               |
-| admission | replies (lease grants); the usage stream's info (last sequence) | admission.*                     | leases               | workers, billing              |
-| breaker   | breaker.transitions                                             | outcome.*                       | breakers             | workers                       |
-| metering  | acks on the usage stream, usage_dlq (dead letters, JetStream)   | metering.keys_changed, usage    | api_keys, billing    | —                             |
-|           |                                                                 | (durable consumer)              |                      |                               |
-| worker    | stream.> (tokens), load.*, kv.*, orphans.* (JetStream),         | worker.>                        | workers (heartbeats) | edges                         |
-|           | edge.*.ping; replies (load, kv pages, pong)                     |                                 |                      |                               |
-| admin     | metering.keys_changed, worker.*.load/ping, edge.*.ping,         | —                               | —                    | workers, edges                |
-|           | router.*.explain; creates the buckets and streams (provision)   |                                 |                      | usage_dlq (dead letters)      |
+| role      | publishes                                                       | subscribes                      |
+|-----------|-----------------------------------------------------------------|---------------------------------|
+| edge      | router.route, worker.*.generate/abort/ping, admission.*,        | stream.> (token streams),       |
+|           | outcome.*, usage (JetStream); the orphans consumer's acks       | edge.*.ping                     |
+| router    | router.decisions, worker.*.kv_replay/kv_snapshot; replies       | router.route, router.*.explain, |
+|           |                                                                 | router.decisions, kv.*, load.*  |
+| admission | replies (lease grants); the usage stream's info (last sequence) | admission.*                     |
+| breaker   | breaker.transitions                                             | outcome.*                       |
+| metering  | acks on the usage stream, usage_dlq (dead letters, JetStream)   | metering.keys_changed, usage    |
+|           |                                                                 | (durable consumer)              |
+| worker    | stream.> (tokens), load.*, kv.*, orphans.* (JetStream),         | worker.>                        |
+|           | edge.*.ping; replies (load, kv pages, pong)                     |                                 |
+| admin     | metering.keys_changed, worker.*.load/ping, edge.*.ping,         | —                               |
+|           | router.*.explain; creates the buckets and streams (provision)   |                                 |
+
+| role      | KV writes            | KV reads                    |
+|-----------|----------------------|-----------------------------|
+| edge      | edges (heartbeats)   | workers, breakers, api_keys |
+| router    | sessions, breakers   | workers                     |
+|           | (probe permits)      |                             |
+| admission | leases               | workers, billing            |
+| breaker   | breakers             | workers                     |
+| metering  | api_keys, billing    | —                           |
+| worker    | workers (heartbeats) | edges                       |
+| admin     | —                    | workers, edges              |
+|           |                      | usage_dlq (dead letters)    |
 
 Invariants: each role subscribes to replies only on its own inbox, ``_INBOX.<role>.>`` (so no role reads another's
 replies); a role answers requests only through ``allow_responses`` (one reply per request received) unless the

@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         key = os.environ.get("INFERMESH_DEV_KEY") or f"im-dev-{secrets.token_urlsafe(18)}"
         fleet = args.sim_decoders > 0 or args.sim_prefill > 0
         options = MeshOptions(
-            engine=args.engine or ("sim" if fleet else "vllm"), num_workers=args.workers, model=args.model, model_path=args.model_path,
+            engine=args.engine or ("sim" if fleet else "vllm"), num_workers=args.workers, model=args.model,
+            model_path=args.model_path,
             host=args.host, http_port=args.http_port, nats_url=args.nats_url, namespace=args.namespace,
             nats_tls_cert=args.nats_tls_cert, nats_tls_key=args.nats_tls_key, nats_tls_ca=args.nats_tls_ca,
             max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, sim_ttft_ms=args.sim_ttft_ms,

@@ -286,9 +286,12 @@ def run_mesh(options: MeshOptions) -> int:
               f"  (ledger: {options.database_url or 'embedded SQLite'};"
               f" infermesh teams create T && infermesh keys create --team T --admin"
               f" --nats-url {nats_url})\n"
-              f"\n  python -c \"from openai import OpenAI; c = OpenAI(base_url='{base_url}', api_key='{options.dev_key}');"
-              f" print(c.chat.completions.create(model='{options.model}', messages=[{{'role': 'user', 'content': 'Hi'}}],"
-              f" max_tokens=32).choices[0].message.content)\"\n\n  A process that dies is restarted (backoff 0.5 s doubling to 30 s)."
+              f"\n  python -c \"from openai import OpenAI;"
+              f" c = OpenAI(base_url='{base_url}', api_key='{options.dev_key}');"
+              f" print(c.chat.completions.create(model='{options.model}',"
+              " messages=[{'role': 'user', 'content': 'Hi'}],"
+              " max_tokens=32).choices[0].message.content)\"\n"
+              "\n  A process that dies is restarted (backoff 0.5 s doubling to 30 s)."
               "\n  Ctrl-C stops everything.\n", flush=True)
         Supervisor(group, _say).run(stop)  # restarts what dies until Ctrl-C / SIGTERM
         return 0

@@ -90,7 +90,8 @@ async def measure(model_path: str, core: int, repeats: int, decode_tokens: int, 
     cfg = engine._llm.vllm_config
     engine_info = {
         "startup_s": round(startup_s, 1), "block_size": spec.block_size, "num_kv_blocks": spec.num_kv_blocks,
-        "dtype": str(cfg.model_config.dtype), "max_num_batched_tokens": int(cfg.scheduler_config.max_num_batched_tokens),
+        "dtype": str(cfg.model_config.dtype),
+        "max_num_batched_tokens": int(cfg.scheduler_config.max_num_batched_tokens),
         "max_num_seqs": int(cfg.scheduler_config.max_num_seqs),
         "chunked_prefill": bool(cfg.scheduler_config.enable_chunked_prefill),
     }

@@ -205,8 +205,10 @@ def run(setup: Setup, label: str, seed: int, config: FleetConfig | None = None) 
         expected = sum(sim.kv_router.expected_cached.get(r.request_id, 0) for r in measured)
         summary["router_expected_over_actual_cached"] = expected / actual if actual else math.nan
         summary["index_skipped_blocks"] = sim.kv_router.index.num_skipped_blocks
-    print(f"  {label} seed {seed}: hit {summary['prefix_hit_rate']:.3f} (infinite {summary['infinite_cache_hit_rate']:.3f}),"
-          f" TTFT p50 {summary['ttft_p50_ms']:.0f} p90 {summary['ttft_p90_ms']:.0f} ms, ITL p90 {summary['itl_p90_ms']:.1f}"
+    print(f"  {label} seed {seed}: hit {summary['prefix_hit_rate']:.3f}"
+          f" (infinite {summary['infinite_cache_hit_rate']:.3f}),"
+          f" TTFT p50 {summary['ttft_p50_ms']:.0f} p90 {summary['ttft_p90_ms']:.0f} ms,"
+          f" ITL p90 {summary['itl_p90_ms']:.1f}"
           f" ms, busy {busy:.2f}, {summary['requests']} requests ({wall:.0f} s)", file=sys.stderr)
     return summary
 
@@ -329,7 +331,8 @@ def main(argv: list[str] | None = None) -> dict:
              "router view": "kv_aware sees every KV event and exact loads at once (the DES's perfect information)",
              "least_loaded": "the simulator's Router: fewest running + waiting requests"}
     if args.sweep:
-        configs = sweep(setup, decode_weights=(1.0, 0.5, 0.25, 0.1, 0.0), kv_fractions=(args.kv_fraction, 2 * args.kv_fraction))
+        configs = sweep(setup, decode_weights=(1.0, 0.5, 0.25, 0.1, 0.0),
+                        kv_fractions=(args.kv_fraction, 2 * args.kv_fraction))
         if not args.no_write:
             publish(Path(args.out) if args.out else RESULTS / "sweep",
                     "kv_aware: decode weight x KV capacity (one seed)", command, configs, notes)

@@ -116,7 +116,8 @@ def start_mesh(args: argparse.Namespace, state: Path, nats_url: str = "") -> tup
 
     tokenizer = str(make_tiny_llama(state / "tokenizer"))
     options = MeshOptions(engine="sim", model=MODEL, model_path=tokenizer, http_port=free_port(), nats_url=nats_url,
-                          namespace=f"fleet{uuid.uuid4().hex[:8]}", max_model_len=args.max_model_len, state_dir=str(state), dev_key=KEY,
+                          namespace=f"fleet{uuid.uuid4().hex[:8]}", max_model_len=args.max_model_len,
+                          state_dir=str(state), dev_key=KEY,
                           ready_timeout_s=120, sim_decoders=args.decoders, sim_prefill=args.prefill,
                           sim_profile=args.profile, sim_clock_factor=args.clock_factor,
                           sim_stream_interval=args.stream_interval, sim_engines_per_process=args.engines_per_process,
@@ -211,9 +212,13 @@ def figures(args: argparse.Namespace, result: dict) -> dict:
 def markdown(args: argparse.Namespace, command: str, notes: dict, configs: dict[str, dict]) -> str:
     n = notes
     cpu = ", ".join(f"{k} {v * 100:.0f}%" for k, v in n["cpu_share_by_process"].items())
-    served = {role: [v for k, v in n["finished_by_worker"].items() if k.startswith(role)] for role in ("prefill", "decode")}
+    served = {role: [v for k, v in n["finished_by_worker"].items() if k.startswith(role)]
+              for role in ("prefill", "decode")}
     spread = "; ".join(f"{role}: {min(v)}-{max(v)} requests per engine" for role, v in served.items() if v)
     others = n["machine_cpu_share"] - n["mesh_cpu_share"]
+    tok_s = f"**{n['edge_tok_s_wall']:,.0f}** / {n['edge_tok_s_wall_peak_10s']:,.0f}"
+    edge_share = f"{n['edge_cpu_share_mean'] * 100:.0f}% / {n['edge_cpu_share_peak_10s'] * 100:.0f}%"
+    mesh_share = f"{n['mesh_cpu_share'] * 100:.0f}% / {others * 100:.0f}%"
     return f"""# Live fleet: {args.sessions} agent sessions through the mesh
 
 {args.decoders} simulated decoders + {args.prefill} prefill workers ({args.profile}, {args.engines_per_process} engines
@@ -233,10 +238,10 @@ and session starts spread over {args.stagger_s:g} s, simulated{f'; {args.turns} 
 | requests / **errors** | {n['requests']} / **{n['errors']}** |
 | sessions completed / most concurrent | {n['sessions_completed']} / {n['max_concurrent_sessions']} |
 | streamed tokens | {n['streamed_tokens']:,} |
-| **tokens/s through the edge** (mean / peak 10 s) | **{n['edge_tok_s_wall']:,.0f}** / {n['edge_tok_s_wall_peak_10s']:,.0f} |
+| **tokens/s through the edge** (mean / peak 10 s) | {tok_s} |
 | **edge CPU per streamed token** | **{n['edge_cpu_ms_per_token'] * 1000:.0f} µs** |
-| edge CPU, share of one core (mean / peak 10 s) | {n['edge_cpu_share_mean'] * 100:.0f}% / {n['edge_cpu_share_peak_10s'] * 100:.0f}% |
-| CPU of mesh + load generator / other tenants (of {n['machine_cores']} cores) | {n['mesh_cpu_share'] * 100:.0f}% / {others * 100:.0f}% |
+| edge CPU, share of one core (mean / peak 10 s) | {edge_share} |
+| CPU of mesh + load generator / other tenants (of {n['machine_cores']} cores) | {mesh_share} |
 | TTFT wall p50 / p99 | {n['ttft_wall_ms']['p50']:,.1f} / {n['ttft_wall_ms']['p99']:,.1f} ms |
 | ITL wall p50 / p99 | {n['itl_wall_ms']['p50']:,.2f} / {n['itl_wall_ms']['p99']:,.2f} ms |
 | most requests in flight | {n['max_in_flight_requests']} |

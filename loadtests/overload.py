@@ -255,7 +255,8 @@ def write(out: Path, report: dict, argv: list[str] | None) -> None:
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, s in phases:
         silent = s["requests"] - s["admitted"] - s["status_429"] - s["status_5xx"]
-        rows.append(f"| {name} | {s['requests']} | {s['admitted']} | {s['status_429']} | {s['status_5xx']} | {silent} | "
+        rows.append(f"| {name} | {s['requests']} | {s['admitted']} | {s['status_429']} | {s['status_5xx']} "
+                    f"| {silent} | "
                     f"{s['ttft_p50_ms'] or 0:.0f} | {s['ttft_p99_ms'] or 0:.0f} | {s['gold_share']:.1%} |")
     t = report["targets"]
     text = [f"# Admission under overload\n\nCommand: `{command}`\n", "\n".join(rows), "",

@@ -53,7 +53,8 @@ def run(label: str, config: FleetConfig, num_sessions: int, setup: Setup) -> dic
                         num_gpus=config.num_gpus, warmup_s=setup.warmup_s,
                         duration_s=setup.measure_s)
     summary.update(sessions=num_sessions, num_prefill=config.num_prefill, num_decode=config.num_workers,
-                   kv_dtype=config.kv_dtype, prefill_budget=config.max_num_batched_tokens or config.profile.max_num_batched_tokens,
+                   kv_dtype=config.kv_dtype,
+                   prefill_budget=config.max_num_batched_tokens or config.profile.max_num_batched_tokens,
                    repins=result.num_repins, sim_wall_s=round(time.perf_counter() - started, 1))
     print(f"  {label}: TTFT p50 {summary['ttft_p50_ms']:.0f} ms, ITL p90 {summary['itl_p90_ms']:.1f} ms, "
           f"queue p50 {summary['queue_wait_p50_ms']:.0f} ms, hit {summary['prefix_hit_rate']:.3f}, "
@@ -183,7 +184,8 @@ def main(argv: list[str] | None = None) -> None:
                 command += f" --ratios {args.ratios}"
             if args.sessions:
                 command += f" --sessions {args.sessions}"
-            publish(name.replace("-", "_") + suffix, title + (f", {args.output_tokens}-token answers" if suffix else ""),
+            publish(name.replace("-", "_") + suffix,
+                    title + (f", {args.output_tokens}-token answers" if suffix else ""),
                     configs, notes, command)
 
 

@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> dict:
         report = json.loads((stem.parent / f"{stem.name}.json").read_text())
         render(report, stem)
         return report
-    setup = Setup(loads=tuple(int(n) for n in args.loads.split(",")), seeds=tuple(int(s) for s in args.seeds.split(",")))
+    setup = Setup(loads=tuple(int(n) for n in args.loads.split(",")),
+                  seeds=tuple(int(s) for s in args.seeds.split(",")))
     if args.quick:
         setup = dataclasses.replace(setup, warmup_s=60, measure_s=60, scale=0.1, trace_limit=200, trace_warmup_s=0,
                                     budgets=(512,), lockstep_sessions=min(setup.loads))
@@ -240,7 +241,8 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"title": "Aggregated vs P/D on 8 GPUs: inter-token latency and TTFT", "command": command_line(args),
               "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "setup": dataclasses.asdict(setup), "profile": "gb200-glm53", "think_time_s": THINK_S,
-              "profile_constants": profile_constants(), "splits": SPLITS, "cdf_percentiles": CDF_QS, "stall_factor": STALL_FACTOR, "scenarios": scenarios,
+              "profile_constants": profile_constants(), "splits": SPLITS, "cdf_percentiles": CDF_QS,
+              "stall_factor": STALL_FACTOR, "scenarios": scenarios,
               "sensitivity": {} if args.no_sensitivity else sensitivity(setup)}
     report["sim_wall_s"] = round(time.perf_counter() - started, 1)
     stem.parent.mkdir(parents=True, exist_ok=True)

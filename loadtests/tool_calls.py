@@ -196,7 +196,8 @@ async def main(args: argparse.Namespace) -> dict:
         "closing": {"128": "edge tool_close_within 128 (budget-aware closing on)", "0": "off"},
         "definitions": {
             "calls": "tool calls over both responses (non-streamed and streamed) of every request",
-            "valid_pct": "calls whose arguments parse and validate (jsonschema Draft 2020-12) against the declared tool",
+            "valid_pct": ("calls whose arguments parse and validate (jsonschema Draft 2020-12) "
+                          "against the declared tool"),
             "cut_pct": "non-streamed responses with finish_reason length",
             "calls_cut_pct": "calls whose arguments are not complete JSON (cut by max_tokens)",
             "stream_agreement_pct": "requests whose streamed and non-streamed answers have the same calls "

@@ -19,10 +19,10 @@ grammar, vLLM's xgrammar matcher, our budget-aware closing processor):
 and varies tool_choice (required / auto / named), parallel_tool_calls (true / false / absent), streaming
 (with and without usage), max_tokens (a budget range: budget-aware closing is active often), temperature 0
 and 1 with a seed. Tools are drawn to fit the model's context with max_tokens to spare (the tiny model has
-2,048 positions), so the big mutations go with the small budgets. Every request stays within the edge's caps (services/edge/README.md "Limits"). The
-official openai SDK sends them, a few at a time, to an in-process mesh (router, one worker, one edge,
-its own nats-server). Each answer is one ``Outcome``; the engine is watched all along (the edge's view of
-the registry, the worker's restart count) and probed at the end. JSON + PNG + markdown under --out.
+2,048 positions), so the big mutations go with the small budgets. Every request stays within the edge's caps
+(services/edge/README.md "Limits"). The official openai SDK sends them, a few at a time, to an in-process mesh (router,
+one worker, one edge, its own nats-server). Each answer is one ``Outcome``; the engine is watched all along (the edge's
+view of the registry, the worker's restart count) and probed at the end. JSON + PNG + markdown under --out.
 
     python -m loadtests.tool_soak --engine sim --requests 200
     flock /tmp/infermesh-vllm.lock python -m loadtests.tool_soak --engine vllm --requests 1000 --max-tokens 128 \
@@ -202,7 +202,8 @@ def summarize(plans: list[Plan], results: list[dict]) -> dict:
         "http_errors": dict(http), "engine_death_errors": len(deaths),
         "by_mutation": {k: dict(v) for k, v in sorted(by_kind.items())},
         "by_request_kind": {k: dict(v) for k, v in sorted(by_choice.items())},
-        "latency_s": {f"p{q}": round(percentile(elapsed, q), 3) for q in (50, 90, 99)} | {"max": round(max(elapsed), 3)},
+        "latency_s": ({f"p{q}": round(percentile(elapsed, q), 3) for q in (50, 90, 99)}
+                      | {"max": round(max(elapsed), 3)}),
         "examples": examples,
     }
 

@@ -4,13 +4,14 @@
     nc = await nats.connect(url, **credentials.connect_options(url))
     child_env = credentials.env()                # the same variables, for a child process (never its argv)
 
-| field        | env var                   | meaning                                                        |
-|--------------|---------------------------|----------------------------------------------------------------|
-| ``user``     | ``INFERMESH_NATS_USER``   | the NATS user (``infermesh up``: the service's role)            |
-| ``password`` | ``INFERMESH_NATS_PASSWORD``| its password (needs ``user``)                                  |
-| ``creds_file``| ``INFERMESH_NATS_CREDS`` | a ``.creds`` file (JWT + nkey seed) instead of user/password    |
-| ``tls_ca``   | ``INFERMESH_NATS_TLS_CA`` | the CA that signed the server's certificate (else the system's) |
-| ``tls_cert`` / ``tls_key`` | ``INFERMESH_NATS_TLS_CERT`` / ``_KEY`` | a client certificate, for servers that verify clients |
+| field          | env var                     | meaning                                                         |
+|----------------|-----------------------------|-----------------------------------------------------------------|
+| ``user``       | ``INFERMESH_NATS_USER``     | the NATS user (``infermesh up``: the service's role)            |
+| ``password``   | ``INFERMESH_NATS_PASSWORD`` | its password (needs ``user``)                                   |
+| ``creds_file`` | ``INFERMESH_NATS_CREDS``    | a ``.creds`` file (JWT + nkey seed) instead of user/password    |
+| ``tls_ca``     | ``INFERMESH_NATS_TLS_CA``   | the CA that signed the server's certificate (else the system's) |
+| ``tls_cert``   | ``INFERMESH_NATS_TLS_CERT`` | a client certificate, for servers that verify clients           |
+| ``tls_key``    | ``INFERMESH_NATS_TLS_KEY``  | its private key (``tls_cert`` and ``tls_key`` go together)      |
 
 Invariants: no credentials means an anonymous connection (an open server, as in the tests); a user's
 replies come back on ``_INBOX.<user>.>``, the only inbox a locked server lets that user subscribe to, so

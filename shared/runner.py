@@ -63,7 +63,8 @@ async def serve(name: str, config: BusConfig, build: Callable[[Bus], Service | A
         raise SystemExit(1)
 
 
-def main(name: str, config_type: type[C], build: Callable[[C, Bus], Service], argv: Sequence[str] | None = None) -> None:
+def main(name: str, config_type: type[C], build: Callable[[C, Bus], Service],
+         argv: Sequence[str] | None = None) -> None:
     config = load_config(config_type, sys.argv[1:] if argv is None else argv)
     setup_logging(config.log_level, name)
     try:

@@ -97,7 +97,8 @@ def _decode(kernel, scalar_args: tuple, out_scale: float, q: torch.Tensor, cache
 def nvfp4_decode_attention(q: torch.Tensor, cache: torch.Tensor, scales: Nvfp4Scales, indices: torch.Tensor,
                            sm_scale: float, num_splits: int | None = None, block_h: int = BLOCK_H,
                            block_t: int = NVFP4_BLOCK_T) -> torch.Tensor:
-    """q [H, 576] or [B, H, 576], NVFP4 cache uint8 [S, 352], indices int [T] / [B, T] (-1 = empty) -> FP32 [.., 512]."""
+    """q [H, 576] or [B, H, 576], NVFP4 cache uint8 [S, 352], indices int [T] / [B, T] (-1 = empty)
+    -> FP32 [.., 512]."""
     latent = to_f32(scales.global_scale * sm_scale * LOG2E)
     rope = to_f32(scales.rope_scale * sm_scale * LOG2E)
     return _decode(attn.nvfp4_decode_kernel, (latent, rope), to_f32(scales.global_scale), q, cache, indices,

@@ -3,9 +3,10 @@
     python -m kernels.nvfp4.report [--out docs/results/nvfp4] [--seeds 5]
 
 Synthetic but shaped like an MLA cache: the latent channels are Gaussian with log-normal per-channel spreads and a few
-outlier channels (x10), rope channels Gaussian with a wider spread; the absorbed bf16 query gives random keys scores of std
-1.5 and one selected key per head a +6 boost (so softmax is neither uniform nor one-hot). Runs the torch reference, which the Triton
-kernels reproduce (tests/unit/test_nvfp4_triton.py). Writes accuracy.json, accuracy.md and accuracy.png.
+outlier channels (x10), rope channels Gaussian with a wider spread; the absorbed bf16 query gives random keys scores of
+std 1.5 and one selected key per head a +6 boost (so softmax is neither uniform nor one-hot). Runs the torch reference,
+which the Triton kernels reproduce (tests/unit/test_nvfp4_triton.py). Writes accuracy.json, accuracy.md and
+accuracy.png.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def caches(rows16: torch.Tensor) -> dict[str, tuple]:
     f8, f8_scale = ref.pack_fp8(rows16, ref.calibrate_fp8_scale(rows))
     f8_one, _ = ref.pack_fp8(rows16)
     return {
-        "bf16": (rows16.bfloat16().float(), lambda q, i: ref.decode_attention(q, rows16.bfloat16().float(), i, SM_SCALE)),
+        "bf16": (rows16.bfloat16().float(),
+                 lambda q, i: ref.decode_attention(q, rows16.bfloat16().float(), i, SM_SCALE)),
         "fp8 (per-tensor scale)": (ref.unpack_fp8(f8, f8_scale),
                                    lambda q, i: ref.fp8_decode_attention(q, f8, f8_scale, i, SM_SCALE)),
         "fp8 (scale 1.0)": (ref.unpack_fp8(f8_one, 1.0), lambda q, i: ref.fp8_decode_attention(q, f8_one, 1.0, i,
@@ -119,7 +121,8 @@ def write_markdown(result: dict, path: Path) -> None:
              "| format | bytes / row | tokens vs BF16 | tokens vs FP8 |", "|---|---:|---:|---:|"]
     for kind, b in result["bytes"].items():
         lines.append(f"| {kind} | {b['bytes_per_row']} | {b['tokens_vs_bf16']:.2f}x | {b['tokens_vs_fp8']:.2f}x |")
-    lines += ["", "## Round-trip relative error (||x' - x|| / ||x||)", "", "| format | row | latent (512) | rope (64) |",
+    lines += ["", "## Round-trip relative error (||x' - x|| / ||x||)", "",
+              "| format | row | latent (512) | rope (64) |",
               "|---|---:|---:|---:|"]
     for name, parts in result["round_trip_rel_error"].items():
         cells = " | ".join(f"{parts[k]['median']:.2e} [{parts[k]['max']:.2e}]" for k in ("row", "latent", "rope"))

@@ -4,7 +4,8 @@ Grid (batch, head blocks, splits): each program walks its share of the index lis
 out-of-range) slots, dequantizes rows in registers and keeps an online softmax in FP32 (exp2 domain). Scores use
 fp16 tensor-core dots: q is rounded to fp16 (exact for bf16 q with |q| in [2^-14, 65504)), the dequantized values
 are exact in fp16 (E2M1 * E4M3 has at most 6 significant bits, |v| <= 2688), probabilities are rounded to fp16 for the
-P @ V dot, and all accumulation is FP32. (bf16 dots are avoided: the interpreter multiplies bf16 bit patterns.) Each split writes (acc, max, sum) and combine_kernel merges the splits (flash-decoding).
+P @ V dot, and all accumulation is FP32. (bf16 dots are avoided: the interpreter multiplies bf16 bit patterns.) Each
+split writes (acc, max, sum) and combine_kernel merges the splits (flash-decoding).
 """
 
 from __future__ import annotations

@@ -162,7 +162,8 @@ class LiveDriver:
     """Runs a workload against the edge; ``run`` returns one RequestRecord per arrival (wall seconds)."""
 
     def __init__(self, host: str, port: int, api_key: str, model: str, workload: Workload, vocab: SafeVocab, *,
-                 clock_factor: float, stream_interval: int = 1, seed: int = 0, request_timeout_s: float = 300.0) -> None:
+                 clock_factor: float, stream_interval: int = 1, seed: int = 0,
+                 request_timeout_s: float = 300.0) -> None:
         self.host, self.port, self.api_key, self.model = host, port, api_key, model
         self.workload, self.vocab, self.clock_factor = workload, vocab, clock_factor
         self.stream_interval, self.seed, self.request_timeout_s = stream_interval, seed, request_timeout_s

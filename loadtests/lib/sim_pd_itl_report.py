@@ -85,7 +85,8 @@ def plot(report: dict, path: Path) -> None:
     for col, (name, scenario) in enumerate(scenarios.items()):
         labels = list(scenario["configs"])
         width = 0.8 / len(labels)
-        for row, keys in enumerate(([("itl_p50_ms", "gaps\np50"), ("itl_p90_ms", "gaps\np90"), ("itl_p99_ms", "gaps\np99"),
+        for row, keys in enumerate(([("itl_p50_ms", "gaps\np50"), ("itl_p90_ms", "gaps\np90"),
+                                     ("itl_p99_ms", "gaps\np99"),
                                      ("tpot_p50_ms", "per req.\np50"), ("tpot_p90_ms", "per req.\np90"),
                                      ("tpot_p99_ms", "per req.\np99")],
                                     [("ttft_p50_ms", "p50"), ("ttft_p90_ms", "p90"), ("ttft_p99_ms", "p99")])):
@@ -104,7 +105,8 @@ def plot(report: dict, path: Path) -> None:
                 ax.legend(fontsize=8)
             else:
                 ax.set_yscale("log")
-                rates = ", ".join(f"{label.replace('aggregated', 'agg')} {fmt(scenario['configs'][label]['median']['output_tok_s_per_gpu'])}"
+                rates = ", ".join(f"{label.replace('aggregated', 'agg')} "
+                                  f"{fmt(scenario['configs'][label]['median']['output_tok_s_per_gpu'])}"
                                   for label in labels)
                 ax.set_title(f"TTFT (ms, log); out tok/s/GPU: {rates}", fontsize=8.5)
         ax = axes[2][col]
@@ -194,16 +196,16 @@ def explanation(report: dict, costs: dict[str, float]) -> str:
     load = {(sc, k): turns_per_s[sc] * prefill_s / k for sc in (lo, hi) for k in (2, 3)}
     stall_share_for_p90 = 0.1 * costs["mixed_8192_ms"] / (0.1 * costs["mixed_8192_ms"] + 0.9 * costs["decode_step_ms"])
     return f"""\
-**Setup.** 8 `gb200-glm53` GPUs (one GLM-5.3 attention-DP rank each, roofline step times, 8,192-token
-prefill budget) as 8 aggregated workers, as P/D 2:6 and as P/D 3:5. Agent sessions as in
-[sim_findings](sim_findings.md): ~6K new tokens (tool results) per turn on a history growing from a
-shared 3K system prompt to 140K, ~300-token answers, 30 s think time; sessions stick to their worker
-(prefill and decode); every worker has a host KV tier. {', '.join(str(n) for n in setup['loads'])} sessions, seeds
-{', '.join(str(x) for x in setup['seeds'])}; sessions start over the first {setup['warmup_s']:.0f} s, figures over the next
-{setup['measure_s']:.0f} s; tables are medians over seeds. The Mooncake trace
-(`{scenarios.get('Mooncake trace', {}).get('trace', 'n/a')}`, open loop, kv_aware routing) runs once. KV hand-off:
-{pc['kv_layout']} layout, {pc['link_bytes_per_s'] / 1e9:.0f} GB/s, {pc['descriptor_overhead_s'] * 1e6:.2g} us per NIXL descriptor
-(the profile after the kernels/kv_layout measurements). Simulated time; every run is deterministic.
+**Setup.** 8 `gb200-glm53` GPUs (one GLM-5.3 attention-DP rank each, roofline step times, 8,192-token prefill budget) as
+8 aggregated workers, as P/D 2:6 and as P/D 3:5. Agent sessions as in [sim_findings](sim_findings.md): ~6K new tokens
+(tool results) per turn on a history growing from a shared 3K system prompt to 140K, ~300-token answers, 30 s think
+time; sessions stick to their worker (prefill and decode); every worker has a host KV tier.
+{', '.join(str(n) for n in setup['loads'])} sessions, seeds {', '.join(str(x) for x in setup['seeds'])}; sessions start
+over the first {setup['warmup_s']:.0f} s, figures over the next {setup['measure_s']:.0f} s; tables are medians over
+seeds. The Mooncake trace (`{scenarios.get('Mooncake trace', {}).get('trace', 'n/a')}`, open loop, kv_aware routing)
+runs once. KV hand-off: {pc['kv_layout']} layout, {pc['link_bytes_per_s'] / 1e9:.0f} GB/s,
+{pc['descriptor_overhead_s'] * 1e6:.2g} us per NIXL descriptor (the profile after the kernels/kv_layout measurements).
+Simulated time; every run is deterministic.
 
 **Two ITLs.** *ITL gaps* pools every gap between consecutive tokens (vLLM's benchmark ITL).
 *ITL per request* is each request's mean gap, (last token - first token) / (tokens - 1): AIPerf's
@@ -213,41 +215,44 @@ completely here.
 ## Verdict
 
 - **ITL per request: the seed's ~-40% is reproduced at the busier load** (aggregated: TTFT p90
-  {m(hi, agg, 'ttft_p90_ms')} ms, {m(hi, agg, 'user_decode_tok_s_p50')} tok/s per user: busy, not overloaded). p90 {m(hi, agg, 'tpot_p90_ms')} ->
-  {m(hi, pd, 'tpot_p90_ms')} ms ({r(hi, pd, 'tpot_p90_ms')}) with 3:5 and {r(hi, 'P/D 2:6', 'tpot_p90_ms')} with 2:6 at
-  {hi.split(', ')[1]}; {r(lo, pd, 'tpot_p90_ms')} at {lo.split(', ')[1]}. Each random seed's ratio is within 2 points of the median.
+  {m(hi, agg, 'ttft_p90_ms')} ms, {m(hi, agg, 'user_decode_tok_s_p50')} tok/s per user: busy, not overloaded). p90
+  {m(hi, agg, 'tpot_p90_ms')} -> {m(hi, pd, 'tpot_p90_ms')} ms ({r(hi, pd, 'tpot_p90_ms')}) with 3:5 and
+  {r(hi, 'P/D 2:6', 'tpot_p90_ms')} with 2:6 at {hi.split(', ')[1]}; {r(lo, pd, 'tpot_p90_ms')} at {lo.split(', ')[1]}.
+  Each random seed's ratio is within 2 points of the median.
 - **ITL gaps: not reproduced.** p90 moves {r(lo, pd, 'itl_p90_ms')} / {r(hi, pd, 'itl_p90_ms')} (3:5) and
   {r(lo, 'P/D 2:6', 'itl_p90_ms')} / {r(hi, 'P/D 2:6', 'itl_p90_ms')} (2:6); even p99 barely moves. The stalls are
   there only in p99.9: {m(hi, agg, 'itl_p99.9_ms')} ms aggregated, {m(hi, pd, 'itl_p99.9_ms')} ms split.
-- **TTFT pays for it.** 3:5: p50 {r(lo, pd, 'ttft_p50_ms')}, p90 {r(lo, pd, 'ttft_p90_ms')} at {lo.split(', ')[1]};
-  p50 {r(hi, pd, 'ttft_p50_ms')}, p90 {r(hi, pd, 'ttft_p90_ms')} at {hi.split(', ')[1]}, where seeds range widely
-  (the prefill pool is near saturation). 2:6's prefill pool does not keep up at either load (TTFT p90 {m(lo, 'P/D 2:6', 'ttft_p90_ms')} and
-  {m(hi, 'P/D 2:6', 'ttft_p90_ms')} ms).
+- **TTFT pays for it.** 3:5: p50 {r(lo, pd, 'ttft_p50_ms')}, p90 {r(lo, pd, 'ttft_p90_ms')} at {lo.split(', ')[1]}; p50
+  {r(hi, pd, 'ttft_p50_ms')}, p90 {r(hi, pd, 'ttft_p90_ms')} at {hi.split(', ')[1]}, where seeds range widely (the
+  prefill pool is near saturation). 2:6's prefill pool does not keep up at either load (TTFT p90
+  {m(lo, 'P/D 2:6', 'ttft_p90_ms')} and {m(hi, 'P/D 2:6', 'ttft_p90_ms')} ms).
 - **Throughput** (output tok/s per GPU) is the same where the prefill pool keeps up ({r(hi, pd, 'output_tok_s_per_gpu')}
-  for 3:5 at {hi.split(', ')[1]}): the traffic is closed loop. 2:6 at {hi.split(', ')[1]}: {r(hi, 'P/D 2:6', 'output_tok_s_per_gpu')},
-  as turns wait for prefill.
+  for 3:5 at {hi.split(', ')[1]}): the traffic is closed loop. 2:6 at {hi.split(', ')[1]}:
+  {r(hi, 'P/D 2:6', 'output_tok_s_per_gpu')}, as turns wait for prefill.
 
 ## Why
 
-1. **A prefill chunk stalls every decode sharing its step.** A step with a 6K-token chunk at a 70K
-   history takes {fmt(costs['mixed_8192_ms'])} ms, a decode-only step (12 decodes at 70K) {fmt(costs['decode_step_ms'])} ms:
-   the decodes in it wait ~{costs['mixed_8192_ms'] / costs['decode_step_ms']:.0f} steps' time for one token.
+1. **A prefill chunk stalls every decode sharing its step.** A step with a 6K-token chunk at a 70K history takes
+   {fmt(costs['mixed_8192_ms'])} ms, a decode-only step (12 decodes at 70K) {fmt(costs['decode_step_ms'])} ms: the
+   decodes in it wait ~{costs['mixed_8192_ms'] / costs['decode_step_ms']:.0f} steps' time for one token.
 2. **Pooled gaps cannot show it at p90.** For a tenth of the gaps to be stalls, a worker would spend
    {100 * stall_share_for_p90:.0f}% of its time in prefill steps, far past saturation. Here
-   {fmt(100 * scenarios[hi]['configs'][agg]['median']['itl_stall_share'], 2)}% of the aggregated gaps are stalls (longer than {report['stall_factor']:.0f}x the median gap), so p90 and p99 are decode-only steps in
-   both fleets, and the split's p90 only reflects slightly different decode batches.
+   {fmt(100 * scenarios[hi]['configs'][agg]['median']['itl_stall_share'], 2)}% of the aggregated gaps are stalls (longer
+   than {report['stall_factor']:.0f}x the median gap), so p90 and p99 are decode-only steps in both fleets, and the
+   split's p90 only reflects slightly different decode batches.
 3. **Per-request ITL shows it.** A 300-token answer streams for ~2.5 s, and a worker starts a new turn every
    ~{8 / turns_per_s[hi]:.1f} s at {hi.split(', ')[1]}: an answer overlaps about one prefill step at the median and
-   three at p90, each adding ~{costs['mixed_8192_ms'] / 299:.1f} ms to its mean gap: p50 {m(hi, agg, 'tpot_p50_ms')}, p90 {m(hi, agg, 'tpot_p90_ms')},
-   p99 {m(hi, agg, 'tpot_p99_ms')} ms. P/D decoders run decode steps only, so their p90 is their p50
-   ({m(hi, pd, 'tpot_p50_ms')} / {m(hi, pd, 'tpot_p90_ms')} ms). More sessions per GPU, more overlap: hence
+   three at p90, each adding ~{costs['mixed_8192_ms'] / 299:.1f} ms to its mean gap: p50 {m(hi, agg, 'tpot_p50_ms')},
+   p90 {m(hi, agg, 'tpot_p90_ms')}, p99 {m(hi, agg, 'tpot_p99_ms')} ms. P/D decoders run decode steps only, so their p90
+   is their p50 ({m(hi, pd, 'tpot_p50_ms')} / {m(hi, pd, 'tpot_p90_ms')} ms). More sessions per GPU, more overlap: hence
    {r(lo, pd, 'tpot_p90_ms')} at {lo.split(', ')[1]} and {r(hi, pd, 'tpot_p90_ms')} at {hi.split(', ')[1]}.
 4. **The chunked-prefill budget** (sensitivity, aggregated, {hi.split(', ')[1]}): smaller budgets cut each stall
-   ({fmt(costs['mixed_2048_ms'])} / {fmt(costs['mixed_512_ms'])} / {fmt(costs['mixed_256_ms'])} ms steps at 2,048 / 512 / 256
-   tokens) but multiply them, so per-request ITL p90 hardly changes ({s('aggregated 8, budget 2048', 'tpot_p90_ms')} /
-   {s('aggregated 8, budget 512', 'tpot_p90_ms')} / {s('aggregated 8, budget 256', 'tpot_p90_ms')} ms) while the share of
-   stalled gaps grows ({s('aggregated 8, budget 2048', 'itl_stall_share', 100)} / {s('aggregated 8, budget 512', 'itl_stall_share', 100)}
-   / {s('aggregated 8, budget 256', 'itl_stall_share', 100)}%). Pooled p90 starts to rise only at 256 tokens
+   ({fmt(costs['mixed_2048_ms'])} / {fmt(costs['mixed_512_ms'])} / {fmt(costs['mixed_256_ms'])} ms steps at 2,048 / 512
+   / 256 tokens) but multiply them, so per-request ITL p90 hardly changes
+   ({s('aggregated 8, budget 2048', 'tpot_p90_ms')} / {s('aggregated 8, budget 512', 'tpot_p90_ms')} /
+   {s('aggregated 8, budget 256', 'tpot_p90_ms')} ms) while the share of stalled gaps grows
+   ({s('aggregated 8, budget 2048', 'itl_stall_share', 100)} / {s('aggregated 8, budget 512', 'itl_stall_share', 100)} /
+   {s('aggregated 8, budget 256', 'itl_stall_share', 100)}%). Pooled p90 starts to rise only at 256 tokens
    ({s('aggregated 8, budget 256', 'itl_p90_ms')} ms), as the share nears 10%. With the seed's 8K budget, a -40% pooled
    p90 ITL cannot happen in this model: the seed's figure matches if it is a p90 over requests of their mean gap
    (AIPerf's ITL), not a p90 over pooled gaps.
@@ -257,26 +262,27 @@ completely here.
    {s('aggregated 8 as one DP8', 'tpot_p90_ms')} ms against {s('P/D 3:5 as DP3', 'tpot_p90_ms')} ms for 3:5 as DP3 + DP5
    groups; pooled gaps: p90 {s('aggregated 8 as one DP8', 'itl_p90_ms')} against {s('P/D 3:5 as DP3', 'itl_p90_ms')} ms,
    p99 {s('aggregated 8 as one DP8', 'itl_p99_ms')} against {s('P/D 3:5 as DP3', 'itl_p99_ms')} ms.
-6. **Prefix hits keep the prefill small.** Agent turns are ~93% cached (6K new on a long history), so a
-   turn costs ~{prefill_s:.2f} GPU-s of prefill. The split puts all of it on 2 or 3 GPUs, busy ~{100 * load[(lo, 3)]:.0f}% /
-   {100 * load[(hi, 3)]:.0f}% of the time (3:5) and ~{100 * load[(lo, 2)]:.0f}% / {100 * load[(hi, 2)]:.0f}% (2:6) at the two loads
-   (estimate: the aggregated fleet's turns per second x {prefill_s:.2f} s / prefill GPUs), with long, variable service
-   times and sticky sessions. Queues form (queue p50 {m(hi, pd, 'queue_wait_p50_ms')} ms for 3:5 at {hi.split(', ')[1]}), sessions get re-pinned
-   to less loaded prefill workers ({m(hi, pd, 'repins', 0)} re-pins) whose caches lack their history, the hit rate drops
-   ({pct(hi, agg)} -> {pct(hi, pd)}%; 2:6 {pct(hi, 'P/D 2:6')}%),
-   and the recomputed history adds prefill work.
+6. **Prefix hits keep the prefill small.** Agent turns are ~93% cached (6K new on a long history), so a turn costs
+   ~{prefill_s:.2f} GPU-s of prefill. The split puts all of it on 2 or 3 GPUs, busy ~{100 * load[(lo, 3)]:.0f}% /
+   {100 * load[(hi, 3)]:.0f}% of the time (3:5) and ~{100 * load[(lo, 2)]:.0f}% / {100 * load[(hi, 2)]:.0f}% (2:6) at
+   the two loads (estimate: the aggregated fleet's turns per second x {prefill_s:.2f} s / prefill GPUs), with long,
+   variable service times and sticky sessions. Queues form (queue p50 {m(hi, pd, 'queue_wait_p50_ms')} ms for 3:5 at
+   {hi.split(', ')[1]}), sessions get re-pinned to less loaded prefill workers ({m(hi, pd, 'repins', 0)} re-pins) whose
+   caches lack their history, the hit rate drops ({pct(hi, agg)} -> {pct(hi, pd)}%; 2:6 {pct(hi, 'P/D 2:6')}%), and the
+   recomputed history adds prefill work.
 7. **The hop itself is cheap.** Hand-off (prefill done -> first token at the decoder) is p50
-   {m(hi, pd, 'handoff_p50_ms')} ms: the pull of the ~6K uncached tokens ({fmt(costs['pull_6k_ms'], 2)} ms; a cold 70K prompt
-   {fmt(costs['pull_70k_ms'])} ms), the decoder's step in flight, and its first-token step. With vLLM's layer-major LBHNC
-   layout (78x the descriptors) it is {s('P/D 3:5, LBHNC', 'handoff_p50_ms')} ms. So the TTFT cost is the smaller
-   prefill pool, not the transfer.
-8. **Mooncake trace** (3,993 requests over 17 min, mean 15K input / 149 output tokens, half the answers under
-   70 tokens; {pct('Mooncake trace', agg)}% prefix hits): per-request ITL p90 {r('Mooncake trace', pd, 'tpot_p90_ms')}, because
-   short answers rarely meet a prefill step (aggregated per-request p90 {m('Mooncake trace', agg, 'tpot_p90_ms')} ms; p99
-   {m('Mooncake trace', agg, 'tpot_p99_ms')} -> {m('Mooncake trace', pd, 'tpot_p99_ms')} ms; pooled p99.9
+   {m(hi, pd, 'handoff_p50_ms')} ms: the pull of the ~6K uncached tokens ({fmt(costs['pull_6k_ms'], 2)} ms; a cold 70K
+   prompt {fmt(costs['pull_70k_ms'])} ms), the decoder's step in flight, and its first-token step. With vLLM's
+   layer-major LBHNC layout (78x the descriptors) it is {s('P/D 3:5, LBHNC', 'handoff_p50_ms')} ms. So the TTFT cost is
+   the smaller prefill pool, not the transfer.
+8. **Mooncake trace** (3,993 requests over 17 min, mean 15K input / 149 output tokens, half the answers under 70 tokens;
+   {pct('Mooncake trace', agg)}% prefix hits): per-request ITL p90 {r('Mooncake trace', pd, 'tpot_p90_ms')}, because
+   short answers rarely meet a prefill step (aggregated per-request p90 {m('Mooncake trace', agg, 'tpot_p90_ms')} ms;
+   p99 {m('Mooncake trace', agg, 'tpot_p99_ms')} -> {m('Mooncake trace', pd, 'tpot_p99_ms')} ms; pooled p99.9
    {m('Mooncake trace', agg, 'itl_p99.9_ms')} -> {m('Mooncake trace', pd, 'itl_p99.9_ms')} ms). TTFT with 3:5: p50
-   {m('Mooncake trace', agg, 'ttft_p50_ms')} -> {m('Mooncake trace', pd, 'ttft_p50_ms')} ms, p90 {r('Mooncake trace', pd, 'ttft_p90_ms')};
-   2:6's prefill pool saturates (p50 {m('Mooncake trace', 'P/D 2:6', 'ttft_p50_ms')} ms).
+   {m('Mooncake trace', agg, 'ttft_p50_ms')} -> {m('Mooncake trace', pd, 'ttft_p50_ms')} ms, p90
+   {r('Mooncake trace', pd, 'ttft_p90_ms')}; 2:6's prefill pool saturates (p50
+   {m('Mooncake trace', 'P/D 2:6', 'ttft_p50_ms')} ms).
 
 **Not modelled:** prefill/decode overlap within a step (e.g. SGLang micro-batching), step-time noise,
 decode batches big enough to be compute bound, and routing that is aware of prefill-pool load."""

@@ -4,7 +4,8 @@ A request declares 1-4 tools drawn from the conformance corpus, each mutated by 
 (or left as it is), and draws tool_choice, parallel_tool_calls, streaming, max_tokens and sampling.
 Every body stays within the edge's default caps (services/edge/README.md "Limits"): at most 128 tools and
 512 KiB of them, schemas at most 32 levels deep, names ``^[a-zA-Z0-9_-]{1,64}$``, and the prompt leaves
-max_tokens of room in the model's context (``Sizing``); the schemas are valid Draft 2020-12 (checked by tests/e2e/test_tool_soak_smoke.py: the meta-schema check is too slow to run on each).
+max_tokens of room in the model's context (``Sizing``); the schemas are valid Draft 2020-12 (checked by
+tests/e2e/test_tool_soak_smoke.py: the meta-schema check is too slow to run on each).
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ MAX_SCHEMA_DEPTH = 32  # the edge's --max-schema-depth
 MAX_TOOLS_BYTES = 512 << 10
 BUDGETS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)  # max_tokens, clipped to the run's range
 
-TEXTS = ["날씨 예보 (서울)", "天气预报 北京", "東京都の天気", "🌦️ forecast 🚀", "👩‍💻 dev ✔︎ 👨‍👩‍👧", "طقس اليوم في القاهرة",
+TEXTS = ["날씨 예보 (서울)", "天气预报 北京", "東京都の天気", "🌦️ forecast 🚀", "👩‍💻 dev ✔︎ 👨‍👩‍👧",
+         "طقس اليوم في القاهرة",
          "שלום עולם", "e\u0301te\u0301 cafe\u0301 n\u0303", "Ωmega ß Straße", "नमस्ते दुनिया", "ภาษาไทย",
          "\u202eRTL override\u202c", "zero\u200bwidth\u200djoin", "Ꙭ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𝟙𝟚𝟛", "«quotes» \"double\" 'single'"]
 KEYS = ["도시", "城市", "都市名", "город", "مدينة", "עיר", "e\u0301tage", "emoji_🚀", "ключ_2", "名前"]
 PROMPTS = ["Please use the tools to help me with my request.", "서울 날씨 알려줘. 도구를 써.",
-           "帮我用工具查一下。", "ツールを使ってください 🙏", "استخدم الأدوات من فضلك", "Book it, then tell me. Thanks!"]
+           "帮我用工具查一下。", "ツールを使ってください 🙏", "استخدم الأدوات من فضلك",
+           "Book it, then tell me. Thanks!"]
 PATTERNS = ["^[A-Z]{3}$", "^[A-Z]{2}-[0-9]{2,4}$", "^[a-z0-9._-]+@[a-z0-9-]+\\.[a-z]{2,6}$",
             "^\\d{4}-\\d{2}-\\d{2}$", "^(GET|POST|PUT)$", "^[가-힣]{1,4}$", "^#[0-9a-fA-F]{6}$"]
 TYPES = [{"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"},

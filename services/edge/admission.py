@@ -50,7 +50,8 @@ class AdmissionClient:
 
     async def acquire(self, team: str, klass: str, model: str, prompt_tokens: int, max_tokens: int,
                       wait_s: float) -> str:
-        """A lease id, or an ApiError: 429 (limits, queue, budget), 400 (can never fit), 503 (no worker, no admission)."""
+        """A lease id, or an ApiError: 429 (limits, queue, budget), 400 (can never fit), 503 (no worker, no
+        admission)."""
         deadline = time.monotonic() + max(wait_s, FAILOVER_S)
         while True:
             request = LeaseRequest(uuid.uuid4().hex, team, klass, model, prompt_tokens + max_tokens, self.edge_id,

@@ -11,9 +11,9 @@ header size, so a client that sends its headers slowly, or forever, holds a conn
 | first byte (or of the connection, before any byte)            |                                      |
 
 and a lingering close: when the edge answers before the request's body arrived (401, 413, 408, see
-http.py; or any route, e.g. a 405 from Litestar) it closes the connection, and closing at once with unread bytes makes the kernel reset the connection, and the
-client (still sending) sees "connection reset" instead of the answer. So such a close half-closes
-(FIN after the reply), drops whatever still arrives, and closes for good when the client does or after
+http.py; or any route, e.g. a 405 from Litestar) it closes the connection, and closing at once with unread bytes makes
+the kernel reset the connection, and the client (still sending) sees "connection reset" instead of the answer. So such a
+close half-closes (FIN after the reply), drops whatever still arrives, and closes for good when the client does or after
 ``LINGER_S``. Bodies themselves (size, deadline) are bounded one layer up, in http.py.
 """
 

@@ -73,7 +73,8 @@ class WorkerService:
         self._num_finished = 0
         self._num_aborted = 0
         self._load_changed = asyncio.Event()
-        self._streams: dict[str, TokenStreamSender] = {}  # running requests' streams (failed at once if the engine dies)
+        # running requests' streams (failed at once if the engine dies)
+        self._streams: dict[str, TokenStreamSender] = {}
         self._generate_sub: object | None = None
         self._kv_task: asyncio.Task[None] | None = None
         self._keeper: asyncio.Task[None] | None = None
@@ -95,7 +96,8 @@ class WorkerService:
         self._background = [asyncio.create_task(self._publish_load_loop(), name="load")]
         await self._open()
         self._keeper = asyncio.create_task(self._keep_engine(), name="engine-keeper")
-        log.info("worker %s serving %s (%s engine, role %s)", self.worker_id, self.spec.model, self.engine.name, self.config.role)
+        log.info("worker %s serving %s (%s engine, role %s)", self.worker_id, self.spec.model, self.engine.name,
+                 self.config.role)
 
     async def stop(self) -> None:
         if self._keeper is not None:  # first: a stop is no death, and never restarts the engine
@@ -122,7 +124,8 @@ class WorkerService:
         self._generate_sub = await self.bus.subscribe(s.worker_generate(self.worker_id), GenerateRequest,
                                                       self._on_generate)
         self._kv_task = asyncio.create_task(self._publish_kv_events_loop(), name="kv-events")
-        self._registration = WorkerRegistration(self.bus, self._info, self.config.heartbeat_s, self.config.heartbeat_ttl_s,
+        self._registration = WorkerRegistration(self.bus, self._info, self.config.heartbeat_s,
+                                                self.config.heartbeat_ttl_s,
                                                 self.config.max_loop_stall_s)
         await self._registration.start()
 

@@ -186,7 +186,8 @@ async def test_a_new_leader_under_load_never_admits_more_than_capacity(nats_url,
         assert len(outcomes) == 96 and outcomes.count("ok") > 20, outcomes
         assert set(outcomes) <= {"ok", "429", "503"}, outcomes
         assert peak.value <= capacity, peak.value
-        assert mesh.admissions[0].leadership.is_leader and mesh.admissions[0].stats["restored"] >= 1  # the held leases came back
+        # the held leases came back
+        assert mesh.admissions[0].leadership.is_leader and mesh.admissions[0].stats["restored"] >= 1
     finally:
         await mesh.stop()
 

@@ -188,7 +188,8 @@ async def test_a_failing_hook_fails_its_request_and_the_engine_serves_on(engine,
 
 async def test_an_enum_of_hangul_under_budget_closing(engine, tokenizer, prompt):
     """The request that killed the engine: an enum whose values share a partial UTF-8 prefix, closing on."""
-    schema = {"type": "object", "properties": {"lang": {"enum": ["한국어", "한글"]}, "word": {"enum": ["사랑", "사람"]}},
+    schema = {"type": "object",
+              "properties": {"lang": {"enum": ["한국어", "한글"]}, "word": {"enum": ["사랑", "사람"]}},
               "required": ["lang", "word"], "additionalProperties": False}
     for seed in range(3):
         ids, reason = await _run(engine, prompt, Structured("json_schema", json.dumps(schema), 64), seed,

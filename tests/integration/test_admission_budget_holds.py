@@ -138,7 +138,8 @@ async def test_a_new_leader_keeps_the_old_leaders_unledgered_costs_until_the_led
         await eventually(lambda: standby.budgets.held_nano("t") == 0, 5)
         admitted = await edge.acquire()  # 500_000 in the ledger < budget
         assert isinstance(admitted, LeaseGranted), admitted
-        await eventually(lambda: _none(key_exists(bus, f"h-{first.lease_id}"), key_exists(bus, f"h-{running.lease_id}")),
+        await eventually(lambda: _none(key_exists(bus, f"h-{first.lease_id}"),
+                                       key_exists(bus, f"h-{running.lease_id}")),
                          5)
     finally:
         await mesh.stop()

@@ -282,7 +282,8 @@ async def test_only_edges_send_work_to_workers_and_only_edges_read_token_streams
         caller = worker if role is Role.WORKER else await connect(locked, role)
         await caller.nc.publish(s.worker_generate("sim-0"), b"free prompt", reply=s.stream("e1", "r2"))
         await caller.nc.publish(s.worker_abort("sim-0"), b"abort")
-        await locked.wait_for_violation(f'"$G/user:{role}" - Publish Violation - Subject "{s.worker_generate("sim-0")}"')
+        await locked.wait_for_violation(f'"$G/user:{role}" - Publish Violation - '
+                                        f'Subject "{s.worker_generate("sim-0")}"')
         await refused_subscription(locked, caller, s.stream_prefix("e1") + ".*")
         await refused_subscription(locked, caller, "_INBOX.>")
     await edge.nc.flush()

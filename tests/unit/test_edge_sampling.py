@@ -43,7 +43,8 @@ def test_over_the_context_is_context_length_exceeded(num_prompt, max_tokens):
 
 
 def test_sampling_options_and_stop_tokens_reach_the_engine():
-    params = engine_sampling(_sampling(8, presence_penalty=0.5, frequency_penalty=-0.25), 4, 100, TOKENIZER.stop_token_ids)
+    params = engine_sampling(_sampling(8, presence_penalty=0.5, frequency_penalty=-0.25), 4, 100,
+                             TOKENIZER.stop_token_ids)
     assert (params.temperature, params.top_p, params.seed) == (0.7, 0.9, 5)
     assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.25)
     assert params.stop_token_ids == [1, 106] and not params.ignore_eos

@@ -11,7 +11,8 @@ from shared import errors
 @pytest.mark.parametrize(
     "error, status, type_, code, param, message_has",
     [
-        (errors.invalid_request("bad thing", param="top_p", code="c"), 400, "invalid_request_error", "c", "top_p", "bad thing"),
+        (errors.invalid_request("bad thing", param="top_p", code="c"), 400, "invalid_request_error", "c", "top_p",
+         "bad thing"),
         (errors.invalid_request("bad thing"), 400, "invalid_request_error", None, None, "bad thing"),
         (errors.invalid_api_key(), 401, "authentication_error", "invalid_api_key", None, "API key"),
         (errors.model_not_found("gpt-x"), 404, "invalid_request_error", "model_not_found", "model", "`gpt-x`"),

@@ -110,7 +110,8 @@ def test_dp_ranks_in_lockstep_wait_for_the_slowest_rank() -> None:
     # two prefill-heavy requests on two ranks: alone, the short one finishes its prefill early;
     # in one DP group both ranks' steps last as long as the long prompt's
     arrivals = [arrival(0, n=400, max_tokens=2), arrival(1, n=40, max_tokens=2)]
-    alone = {r.request_id: r for r in FleetSim(config(num_workers=2, policy="round_robin")).run(Fixed(arrivals)).records}
+    alone = {r.request_id: r
+             for r in FleetSim(config(num_workers=2, policy="round_robin")).run(Fixed(arrivals)).records}
     grouped = {r.request_id: r for r in FleetSim(config(num_workers=2, policy="round_robin", decode_dp_group=2))
                .run(Fixed(list(arrivals))).records}
     assert alone["r1"].first_token_t == pytest.approx(0.010 + 0.040)

@@ -311,7 +311,8 @@ def test_a_window_smaller_than_a_glm_call_is_widened_so_the_call_finishes(cache:
     parameters = BY_NAME["place_order"]["function"]["parameters"]
     for seed in range(4):
         result, decoder = glm_call(cache, {"place_order": parameters},
-                                    {"type": "function", "function": {"name": "place_order"}}, seed, 384, close_within=128)
+                                    {"type": "function", "function": {"name": "place_order"}}, seed, 384,
+                                    close_within=128)
         assert decoder.close_within > 128
         assert decoder.is_terminated() and result.finish_reason == "tool_calls", (seed, result)
         jsonschema.validate(json.loads(result.tool_calls[0]["function"]["arguments"]), parameters)
@@ -321,7 +322,8 @@ NOTE = {"type": "object", "properties": {"title": {"type": "string"}, "body": {"
         "required": ["title", "body"]}
 
 
-def _glm_tokens(cache: GrammarCache, seed: int, budget: int, close_within: int = 128) -> tuple[bytes, ConstrainedDecoder]:
+def _glm_tokens(cache: GrammarCache, seed: int, budget: int,
+                close_within: int = 128) -> tuple[bytes, ConstrainedDecoder]:
     """One decode of a write_note call under the glm grammar: (the output's bytes, the decoder)."""
     from services.edge.tools import build_constraint, validate_tools
 
@@ -431,7 +433,8 @@ def test_the_utf8_restriction_never_leaves_a_vllm_row_all_minus_inf(cache: Gramm
     processor = BudgetClosingLogitsProcessor.__new__(BudgetClosingLogitsProcessor)
     processor._cache, processor._json_compiled, processor._rows, processor._inject = cache, {}, {}, False
     processor._utf8_lists = None
-    params = types.SimpleNamespace(max_tokens=400, all_stop_token_ids={1}, extra_args=closing_extra_args(structured, "r"))
+    params = types.SimpleNamespace(max_tokens=400, all_stop_token_ids={1},
+                                   extra_args=closing_extra_args(structured, "r"))
     row = processor._new_row(params, None, [])
     decoder = row.decoder
     text = "<tool_call>write_note<arg_key>" + next(iter(NOTE["properties"])) + "</arg_key><arg_value>"

@@ -2,10 +2,10 @@
 
 TRITON_INTERPRET only counts when a @triton.jit function is decorated, and triton.language's own jit functions (tl.max,
 tl.sum) are decorated when triton is first imported. So this module imports triton and the kernels with the variable
-set and restores it right after; the `api` fixture sets it again only while a test runs. If triton was already imported without it (an
-earlier test module imported vLLM, say), the kernel tests skip and test_interpreter_suite_in_subprocess runs this file
-in a fresh interpreter instead. test_kernels_compile_for_sm90_without_a_gpu compiles every kernel for sm_90 in a
-subprocess (no GPU needed) to catch lowering errors the interpreter cannot see.
+set and restores it right after; the `api` fixture sets it again only while a test runs. If triton was already imported
+without it (an earlier test module imported vLLM, say), the kernel tests skip and test_interpreter_suite_in_subprocess
+runs this file in a fresh interpreter instead. test_kernels_compile_for_sm90_without_a_gpu compiles every kernel for
+sm_90 in a subprocess (no GPU needed) to catch lowering errors the interpreter cannot see.
 """
 
 from __future__ import annotations

@@ -101,7 +101,8 @@ async def test_abort_unknown_request_is_harmless():
 
 async def test_load_counts_running_requests_and_their_blocks():
     eng = await started(engine(block_size=4))
-    streams = [eng.generate(f"r{i}", list(range(i * 100, i * 100 + 10)), SamplingParams(max_tokens=50, stop_token_ids=[]))
+    streams = [eng.generate(f"r{i}", list(range(i * 100, i * 100 + 10)),
+                            SamplingParams(max_tokens=50, stop_token_ids=[]))
                for i in range(3)]
     for stream in streams:
         await anext(stream)

@@ -165,7 +165,8 @@ def test_to_openai_chunks():
 
 @pytest.mark.parametrize("fmt", ["hermes", "glm"])
 def test_rendered_history_parses_back(fmt):
-    calls = [{"id": "a", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Zü <&>", "days": 2}'}},
+    calls = [{"id": "a", "type": "function",
+              "function": {"name": "weather", "arguments": '{"city": "Zü <&>", "days": 2}'}},
              {"id": "b", "type": "function", "function": {"name": "get", "arguments": "{}"}}]
     _, result = run(fmt, assistant_tool_calls_text(calls, fmt))
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in result.tool_calls] == \
@@ -183,7 +184,8 @@ def test_a_call_cut_inside_its_opening_tag_is_neither_content_nor_a_call(fmt, cu
 
 
 CONSTRAINED = {"type": "object", "properties": {
-    "unit": {"enum": ["EUR", "USD"]}, "code": {"type": "string", "maxLength": 3}, "day": {"type": "string", "format": "date"},
+    "unit": {"enum": ["EUR", "USD"]}, "code": {"type": "string", "maxLength": 3},
+    "day": {"type": "string", "format": "date"},
     "text": {"type": "string"}, "either": {"anyOf": [{"type": "string"}, {"enum": ["x"]}]}}}
 
 

@@ -27,7 +27,8 @@ def test_the_plugin_is_registered_and_patches_the_input_batch_once() -> None:
 
     from services.worker.engines.vllm_plugin import patch_input_batch
 
-    assert "services.worker.engines.vllm_plugin:register" in {e.value for e in entry_points(group="vllm.general_plugins")}
+    plugins = {e.value for e in entry_points(group="vllm.general_plugins")}
+    assert "services.worker.engines.vllm_plugin:register" in plugins
     patch_input_batch()
     patched = InputBatch.add_request
     patch_input_batch()

@@ -1,4 +1,5 @@
-"""loadtests/lib/workloads.py: agent sessions (closed loop, shared histories, cold prompts) and Mooncake trace replay."""
+"""loadtests/lib/workloads.py: agent sessions (closed loop, shared histories, cold prompts) and Mooncake trace
+replay."""
 
 from __future__ import annotations
 

@@ -27,7 +27,8 @@ Rules:
   and the complete pairs, closed with ``}`` only when the model had started ``</tool_call>`` (a glm call's
   arguments start with ``{`` as soon as it is named, so a cut one is never ``""``). A call whose name is not
   complete yet is dropped (neither content nor a call); for hermes the name counts as complete once the first
-  character of the arguments is there (``{"name": "f", "arguments": `` alone is dropped). finish_reason stays "length" (or what was given).
+  character of the arguments is there (``{"name": "f", "arguments": `` alone is dropped). finish_reason stays "length"
+  (or what was given).
 - Malformed calls (impossible under the grammar): a body that cannot be a call of a declared tool is
   released as content, tags included; an unclosed one at the end is dropped like an unnamed call.
 - finish_reason: "tool_calls" when the engine stopped normally ("stop") and the last call is complete;

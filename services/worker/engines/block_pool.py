@@ -178,7 +178,8 @@ class BlockPool:
 
     # ------------------------------------------------------------ per request
     def find_cached_prefix(self, token_ids: Sequence[int], extra: tuple = ()) -> int:
-        """The number of leading tokens covered by cached full blocks (either tier), leaving the last token to compute."""
+        """The number of leading tokens covered by cached full blocks (either tier), leaving the last token to
+        compute."""
         return len(self._find_cached_blocks(token_ids, extra)[0]) * self.block_size
 
     def find_cached_prefix_by_tier(self, token_ids: Sequence[int], extra: tuple = ()) -> tuple[int, int]:
@@ -193,7 +194,8 @@ class BlockPool:
         return self._num_blocks_short(len(token_ids), hit_ids) + headroom <= 0
 
     def allocate(self, request_id: str, token_ids: Sequence[int], extra: tuple = ()) -> int | None:
-        """Give a new request blocks for its prompt, reusing cached prefix blocks; the number of cached tokens, or None."""
+        """Give a new request blocks for its prompt, reusing cached prefix blocks; the number of cached tokens, or
+        None."""
         assert request_id not in self._requests, f"request {request_id!r} already allocated"
         assert len(token_ids) > 0
         hashes, hit_ids = self._find_cached_blocks(token_ids, extra)
@@ -217,7 +219,8 @@ class BlockPool:
         return len(hashes) * size
 
     def append_tokens(self, request_id: str, new_token_ids: Sequence[int]) -> bool:
-        """Grow a running request by decoded tokens, taking blocks as needed; False (nothing changed) if too few free."""
+        """Grow a running request by decoded tokens, taking blocks as needed; False (nothing changed) if too few
+        free."""
         request = self._requests[request_id]
         num_tokens = request.num_tokens + len(new_token_ids)
         num_new_blocks = _cdiv(num_tokens, self.block_size) - len(request.block_ids)

@@ -127,7 +127,8 @@ class CostModel:
         pairs_attended = _sum_min(num_context_tokens, num_new_tokens, p.sparse_topk)
         pairs_indexed = _sum_min(num_context_tokens, num_new_tokens, 0) if p.indexer_flops_per_pair else 0
         return (2.0 * p.active_params * num_new_tokens
-                + p.num_layers * (p.attention_flops_per_pair * pairs_attended + p.indexer_flops_per_pair * pairs_indexed))
+                + p.num_layers * (p.attention_flops_per_pair * pairs_attended
+                                  + p.indexer_flops_per_pair * pairs_indexed))
 
     def decode_bytes(self, context_len: int) -> float:
         """KV bytes one decode step reads for a request with ``context_len`` cached tokens."""

@@ -161,7 +161,8 @@ class TokenVocab:
                    [t for _, t in sorted(struct_closers)], order, np.array(order, dtype=np.int64), by_bytes,
                    max((len(b) for b in by_bytes), default=1),
                    [by_bytes[p][0] for p in _PROBES if p in by_bytes],
-                   [by_bytes[p][0] for p in (*_PROBES, _RAW_PROBE) if p in by_bytes], by_bytes.get(b",", []), no_control,
+                   [by_bytes[p][0] for p in (*_PROBES, _RAW_PROBE) if p in by_bytes], by_bytes.get(b",", []),
+                   no_control,
                    np.array(openers_out, dtype=np.int64), np.array(openers_in, dtype=np.int64), utf8_ok)
 
 

@@ -10,8 +10,8 @@ decode step) keep mesh tests and the overhead benchmark independent of batching 
 Tokens are drawn from the prompt with a seeded RNG (sim_worker.token_rng): identical
 requests get identical output. A request with ``sampling.structured`` draws, with the same
 RNG, among the tokens its grammar allows (grammar.ConstrainedDecoder, closing budget-aware)
-and ends when the grammar accepts a stop token; that needs ``tokenizer`` (the model path). ``stream_interval`` coalesces tokens the way vLLM's
-``--stream-interval`` does: the first token goes out at once, then every N tokens and at
+and ends when the grammar accepts a stop token; that needs ``tokenizer`` (the model path). ``stream_interval`` coalesces
+tokens the way vLLM's ``--stream-interval`` does: the first token goes out at once, then every N tokens and at
 the end. KV events come from the block pool after every step, exactly as it changed.
 """
 

@@ -322,7 +322,8 @@ class BudgetClosingLogitsProcessor(LogitsProcessor):
             from services.worker.engines.utf8_mask import token_lists
 
             vocab = self._cache.vocab
-            lists = [(keep, torch.from_numpy(ids).to(device)) for keep, ids in token_lists(vocab.utf8_ok, vocab.vocab_size)]
+            lists = [(keep, torch.from_numpy(ids).to(device))
+                     for keep, ids in token_lists(vocab.utf8_ok, vocab.vocab_size)]
             self._utf8_lists = (device, lists)
         return self._utf8_lists[1]
 

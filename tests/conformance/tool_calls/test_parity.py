@@ -113,6 +113,7 @@ async def test_sdk_parses_every_response_shape(tool_mesh):
 
 async def test_bad_requests_raise_the_sdk_error(tool_mesh):
     with pytest.raises(openai.BadRequestError) as bad:
-        await tool_mesh.client.chat.completions.create(model=tool_mesh.model, messages=[{"role": "user", "content": "x"}],
+        await tool_mesh.client.chat.completions.create(model=tool_mesh.model,
+                                                       messages=[{"role": "user", "content": "x"}],
                                                        tools=TOOLS, tool_choice=named("nope"), stream=True)
     assert bad.value.status_code == 400 and bad.value.param.startswith("tool_choice")

@@ -57,7 +57,8 @@ BAD = [
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]), "messages[1].tool_call_id"),
     ("history_arguments_not_json", dict(tools=[WEATHER], messages=USER + [
         {"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "get_weather", "arguments": "{city"}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]), "messages[1].tool_calls[0].function.arguments"),
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]),
+     "messages[1].tool_calls[0].function.arguments"),
 ]
 
 
