@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import openai
@@ -246,7 +247,10 @@ async def ledger_rows(database_url: str, expected: int, settle_s: float, limit_s
     return by_request
 
 
-async def start_mesh(args: argparse.Namespace, nats_url: str, namespace: str, state: Path) -> tuple:
+async def start_mesh(args: argparse.Namespace, nats_url: str, namespace: str, state: Path,
+                     stack: AsyncExitStack) -> tuple[LocalMesh, Fleet, str]:
+    """The router, metering (a fresh SQLite ledger) and the edge in-process, K sim workers as processes; each
+    stopped by ``stack``, however far this got."""
     from infermesh.models import make_tiny_llama
     from services.metering.db import migrate
 
@@ -254,10 +258,12 @@ async def start_mesh(args: argparse.Namespace, nats_url: str, namespace: str, st
     database_url = f"sqlite+aiosqlite:///{state / 'ledger.db'}"
     await migrate(database_url)
     mesh = LocalMesh(nats_url, namespace, dev_key=KEY)
+    stack.push_async_callback(mesh.stop)
     await mesh.start_router()
     await mesh.start_metering(database_url=database_url, sync_s=0.5)
     await mesh.start_edge(max_migrations=args.max_migrations)
     fleet = Fleet(nats_url, namespace, model, args.sim_itl_ms, args.ttl_s, state)
+    stack.callback(fleet.stop)  # before the mesh's (last in, first out); every stream is over by then
     for _ in range(args.workers):
         fleet.start()
     return mesh, fleet, database_url
@@ -265,14 +271,19 @@ async def start_mesh(args: argparse.Namespace, nats_url: str, namespace: str, st
 
 async def main_async(args: argparse.Namespace) -> dict:
     state = Path(tempfile.mkdtemp(prefix="im-migration-"))
-    nats, nats_url = (None, args.nats_url) if args.nats_url else start_nats(state / "nats")
     namespace = f"mig{random.randrange(16**6):06x}"
-    mesh, fleet, database_url = await start_mesh(args, nats_url, namespace, state)
-    bus = await Bus.connect(nats_url, namespace, "migration-bench")
     plan = [("undisturbed", [], {}), ("migration", args.kill_at, {}),
             ("control", args.kill_at, {"X-Infermesh-Max-Migrations": "0"})]
     runs, reference_s = [], 0.0
-    try:
+    async with AsyncExitStack() as stack:
+        nats_url = args.nats_url
+        if not nats_url:
+            nats, nats_url = start_nats(state / "nats")
+            stack.callback(nats.wait, 10)
+            stack.callback(nats.terminate)
+        mesh, fleet, database_url = await start_mesh(args, nats_url, namespace, state, stack)
+        bus = await Bus.connect(nats_url, namespace, "migration-bench")
+        stack.push_async_callback(bus.close)
         bench = Bench(args, mesh, fleet, bus)
         await bench.watch_decisions()
         _say(f"{args.workers} workers ready in {await bench.settle_fleet(90):.1f}s (logs: {state})")
@@ -285,13 +296,6 @@ async def main_async(args: argparse.Namespace) -> dict:
         expected = sum(1 for _n, seen, _k, _t in runs for s in seen if s.request_id)
         rows = await ledger_rows(database_url, expected, args.settle_s)
         usage_lost = mesh.edge.mesh.usage.lost
-    finally:
-        await bus.close()
-        await mesh.stop()
-        fleet.stop()
-        if nats is not None:
-            nats.terminate()
-            nats.wait(10)
     reference = {s.index: s.text for s in runs[0][1]}
     phases = [phase_report(name, seen, kills, rows, reference, started, args.max_tokens)
               for name, seen, kills, started in runs]
