@@ -125,7 +125,8 @@ async def run(supercluster: Supercluster, fault: str, at_s: Sequence[float]) -> 
     back = time.monotonic()
     while (await outcome(operations["request to west's subject"])).startswith(("timeout", "no_responders")):
         await asyncio.sleep(0.05)
-    print(f"west answers again {time.monotonic() - back:.2f} s after it was {'resumed' if fault == 'pause' else 'ready'}")
+    state = "resumed" if fault == "pause" else "ready"
+    print(f"west answers again {time.monotonic() - back:.2f} s after it was {state}")
     await east.close()
     await west.close()
 

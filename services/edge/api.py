@@ -24,6 +24,7 @@ from opentelemetry.propagate import extract
 from services.edge.admission import CLASSES
 from services.edge.attempt import StreamBroken, Usage
 from services.edge.config import EdgeConfig
+from services.edge.deployments import Link
 from services.edge.http import HttpRequest, JsonReply, Reply, SseReply
 from services.edge.keys import Caller
 from services.edge.mesh import EdgeMesh, RouteHints
@@ -126,12 +127,11 @@ class EdgeApi:
                                  "infermesh.num_prompt_tokens": len(prompt_ids), "infermesh.stream": stream})
         hints = RouteHints(self._session_id(request, prepared), prepared.cache_salt)
         klass = self._request_class(request)
-        admission = self.mesh.admission
-        lease_id = None
-        if admission is not None:  # no lease, no request: 429 / 503 before anything is routed
+        lease = None
+        if self.mesh.admission is not None:  # no lease, no request: 429 / 503 before anything is routed
             try:
-                lease_id = await admission.acquire(caller.team, klass, model, len(prompt_ids), params.max_tokens,
-                                                   self.config.admission_wait_s)
+                lease = await self.mesh.acquire(caller.team, klass, model, len(prompt_ids), params.max_tokens,
+                                                self.config.admission_wait_s)
             except errors.ApiError as exc:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
                 span.end()
@@ -142,7 +142,8 @@ class EdgeApi:
                                  created_at=arrived)  # signed into each attempt: billed if we die
         run = self.mesh.new_run(request_id, model, prompt_ids, params, tokenizer, prepared.stop, billing, hints,
                                 self._max_migrations(request))
-        bill = _Bill(request_id, caller, model, arrived, lease_id, asyncio.get_running_loop().create_future(),
+        run.lease_deployment = lease[0].name if lease is not None else ""
+        bill = _Bill(request_id, caller, model, arrived, lease, asyncio.get_running_loop().create_future(),
                      run.usage_so_far, trace_id)
         events = _then(self.mesh.generate(run, bill.settle), lambda: self._spawn_bill(bill))
         try:
@@ -156,8 +157,9 @@ class EdgeApi:
             span.end()
             raise
         shape = _Shape(kind, response_id, model, parser(request_id[:16]) if parser else None)
-        if stream:
-            return SseReply(self._sse_body(first, events, shape, include_usage, span))
+        if stream:  # where the first token came from (a migration may move the rest elsewhere)
+            return SseReply(self._sse_body(first, events, shape, include_usage, span),
+                            {"x-infermesh-deployment": run.deployment or self.mesh.local.name})
         return await self._complete(first, events, shape, span)
 
     def _spawn_bill(self, bill: _Bill) -> None:
@@ -181,11 +183,12 @@ class EdgeApi:
                 usage.completion_tokens, round(usage.ttft_ms, 3), round(1000 * (time.time() - bill.arrived), 3),
                 usage.worker_id, usage.prefill_worker_id, bill.trace_id, bill.arrived, usage.migrations,
                 usage.migration_prefill_tokens))
-        admission = self.mesh.admission
-        if bill.lease_id is not None and admission is not None:
-            admission.release(bill.lease_id, LeaseRelease(bill.lease_id, seq, usage.prompt_tokens,
-                                                          usage.cached_tokens, usage.completion_tokens)
-                              if usage is not None and seq else None)
+        if bill.lease is not None and bill.lease[0].admission is not None:
+            link, lease_id = bill.lease
+            spent = None
+            if usage is not None and seq:  # the lease's budget hold becomes what the request cost
+                spent = LeaseRelease(lease_id, seq, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)
+            link.admission.release(lease_id, spent)
 
     async def drain_billing(self, timeout_s: float = 10.0) -> None:
         """Wait for the usage of finished requests to be published (a clean stop loses none)."""
@@ -233,7 +236,8 @@ class EdgeApi:
         finally:
             await events.aclose()
             span.end()
-        return JsonReply(200, _json.encode(shape.full(parts, item)))
+        return JsonReply(200, _json.encode(shape.full(parts, item)),
+                         {"x-infermesh-deployment": item.deployment or self.mesh.local.name})
 
     async def _sse_body(self, first: str | Usage, events: AsyncIterator[str | Usage], shape: "_Shape",
                         include_usage: bool, span: trace.Span) -> AsyncIterator[bytes]:
@@ -278,7 +282,7 @@ class _Bill:
     caller: Caller
     model: str
     arrived: float
-    lease_id: str | None
+    lease: "tuple[Link, str] | None"  # the deployment that granted the lease, and the lease
     settled: "asyncio.Future[Usage | None]"  # what the request is billed, once its run settled it
     seen: Callable[[], Usage | None]  # what was seen so far, if it never settles in time
     trace_id: str
@@ -298,7 +302,8 @@ def _trace_id(span: trace.Span, headers: Any) -> str:
 
 
 def _record(span: trace.Span, done: Usage) -> None:
-    span.set_attributes({"infermesh.worker_id": done.worker_id, "gen_ai.response.finish_reasons": [done.finish_reason],
+    span.set_attributes({"infermesh.worker_id": done.worker_id, "infermesh.deployment": done.deployment,
+                         "gen_ai.response.finish_reasons": [done.finish_reason],
                          "gen_ai.usage.output_tokens": done.completion_tokens,
                          "infermesh.num_cached_tokens": done.cached_tokens, "infermesh.migrations": done.migrations})
 

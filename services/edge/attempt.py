@@ -31,8 +31,16 @@ import msgspec
 from services.edge.text import IncrementalDetokenizer, StopStringMatcher
 from shared import errors
 from shared.schema import (
-    BillingContext, GenerateRequest, RouteDecision, RouteRequest, SamplingParams, StreamEnd, StreamError,
-    StreamMessage, TokenChunk, UsageStatus,
+    BillingContext,
+    GenerateRequest,
+    RouteDecision,
+    RouteRequest,
+    SamplingParams,
+    StreamEnd,
+    StreamError,
+    StreamMessage,
+    TokenChunk,
+    UsageStatus,
 )
 
 # stream errors another worker may not repeat: a retry before the first token, a migration after it
@@ -73,6 +81,7 @@ class Usage:
     ttft_ms: float
     migrations: int = 0
     migration_prefill_tokens: int = 0
+    deployment: str = ""  # where the first token came from (x-infermesh-deployment)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +166,7 @@ class _Attempt:
     prefill_cached: int | None = None  # a remote prefill's cache hits: the cached count billed
     sent_at: float = 0.0
     num_output: int = 0  # tokens this attempt produced
+    deployment: str = ""
 
 
 @dataclass(slots=True)
@@ -182,6 +192,8 @@ class RequestRun:
     usage: Usage | None = None
     settled: bool = False
     draining_prefill: bool = False  # the client left during the remote prefill: its stream is drained
+    lease_deployment: str = ""  # the deployment that granted the request's lease: asked first
+    deployment: str = ""  # the deployment of the attempt that sent the first token
     attempt: _Attempt = field(init=False)
 
     def __post_init__(self) -> None:
@@ -201,10 +213,10 @@ class RequestRun:
     def start(self) -> list[Action]:
         return [Route(self._routing())]
 
-    def routed(self, decision: RouteDecision, now: float) -> list[Action]:
+    def routed(self, decision: RouteDecision, now: float, deployment: str = "") -> list[Action]:
         assert self.phase is Phase.ROUTING
         a = self.attempt
-        a.worker_id, a.sent_at = decision.worker_id, now
+        a.worker_id, a.sent_at, a.deployment = decision.worker_id, now, deployment
         if decision.prefill_worker_id and not self.output:  # a migration prefills on its new worker
             a.prefill_worker_id = decision.prefill_worker_id
             self.phase = Phase.PREFILLING
@@ -292,6 +304,7 @@ class RequestRun:
         a = self.attempt
         if not self.output:
             self.ttft_ms = 1000 * (now - a.sent_at)
+            self.deployment = a.deployment
         a.num_output += len(token_ids)
         self.output.extend(token_ids)
         text, hit = self.stops.feed(self.text.push(token_ids))
@@ -362,7 +375,7 @@ class RequestRun:
             usage = Usage(status, reason, a.index, a.worker_id, a.prefill_worker_id,  # type: ignore[arg-type]
                           end.num_prompt_tokens if usage is None else len(self.prompt_token_ids),
                           _cached(a.prefill_cached, end.num_cached_tokens, len(self.prompt_token_ids)), completion,
-                          self.ttft_ms, self.migrations, self.migration_prefill_tokens)
+                          self.ttft_ms, self.migrations, self.migration_prefill_tokens, self.deployment)
         return [Close(stream_id), Settle(self._settle(usage))]
 
     # ------------------------------------------------------------ endings
@@ -389,7 +402,7 @@ class RequestRun:
     def _usage(self, status: UsageStatus, reason: str, cached: int) -> Usage:
         a = self.attempt
         return Usage(status, reason, a.index, a.worker_id, a.prefill_worker_id, len(self.prompt_token_ids), cached,
-                     len(self.output), self.ttft_ms, self.migrations, self.migration_prefill_tokens)
+                     len(self.output), self.ttft_ms, self.migrations, self.migration_prefill_tokens, self.deployment)
 
     def _attempt_ttft(self) -> float:
         return self.ttft_ms if self.attempt.num_output == len(self.output) else 0.0

@@ -19,6 +19,12 @@ class EdgeConfig(BusConfig):
     first_token_timeout_s: float = 300.0
     inter_token_timeout_s: float = 60.0
     abort_drain_timeout_s: float = 1.0
+    # several deployments (services/edge/deployments.py, docs/deployments.md): "name=namespace,..." in priority
+    # order on one NATS supercluster, ``deployment`` naming this edge's own (its namespace must be the edge's)
+    deployment: str = ""
+    deployments: str = ""
+    # attempts on other workers before the first token: a lost deployment may take a second worker with the first
+    max_retries: int = 2
     max_migrations: int = 3  # moves of a stream to another worker after its worker failed mid-stream (0: none)
     # a worker that left the registry with streams open is pinged first: no answer in this long -> they fail
     liveness_probe_timeout_s: float = 2.0
@@ -32,7 +38,8 @@ class EdgeConfig(BusConfig):
     admission: bool = True  # no lease, no request (needs an admission service; tests may run without)
     tool_call_format: str = "hermes"  # how models write tool calls: hermes (Hermes/Qwen) or glm
     tool_call_formats: str = ""  # per-model overrides, "model=glm,other=hermes"
-    tool_close_within: int = 128  # budget-aware closing: watch the last this many tokens (0: off); must exceed the closing length
+    # budget-aware closing: watch the last this many tokens (0: off); must exceed the closing length
+    tool_close_within: int = 128
     admission_wait_s: float = 10.0  # how long a request may wait in admission's queue before a 429
     # Hostile clients (README "Limits"): bodies, headers and their read deadlines; tool schema caps
     max_body_bytes: int = 4 << 20  # a bigger body is 413 (Content-Length checked before reading, then while reading)

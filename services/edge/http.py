@@ -54,6 +54,7 @@ class JsonReply:
 @dataclass(slots=True)
 class SseReply:
     chunks: AsyncIterator[bytes]
+    headers: dict[str, str] | None = None
 
 
 Reply = JsonReply | SseReply
@@ -122,7 +123,8 @@ async def _send(send: Callable[[dict[str, Any]], Awaitable[None]], reply: Reply)
         await send({"type": "http.response.start", "status": reply.status, "headers": JSON_HEADERS + extra})
         await send({"type": "http.response.body", "body": reply.body, "more_body": False})
         return
-    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+    extra = [(k.lower().encode(), v.encode()) for k, v in (reply.headers or {}).items()]
+    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + extra})
     chunks = reply.chunks
     try:
         async for chunk in chunks:

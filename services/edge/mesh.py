@@ -33,12 +33,11 @@ import asyncio
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Iterable
 
 import msgspec
 
-from services.edge.admission import AdmissionClient
 from services.edge.attempt import (
     TERMINAL,
     Abort,
@@ -56,16 +55,16 @@ from services.edge.attempt import (
     Usage,
 )
 from services.edge.config import EdgeConfig
+from services.edge.deployments import Failover, Link, bus_in, deployments_of
 from services.edge.keys import KeyDirectory
-from services.edge.orphans import OrphanBiller, sign
+from services.edge.orphans import sign
 from services.edge.text import IncrementalDetokenizer, StopStringMatcher
 from services.edge.tokenizer import ModelTokenizer
 from shared import errors
-from shared.bus import Bus, BusError, StreamReceiver, TokenStream
-from shared.edges import edge_registration
+from shared.bus import Bus, BusError, TokenStream
+from shared.deployments import DeploymentBreakers
 from shared.liveness import Registration, ping
 from shared.prefix_hash import prompt_hashes
-from shared.registry import WorkerDirectory
 from shared.schema import (
     AbortRequest,
     BillingContext,
@@ -91,60 +90,66 @@ class RouteHints:
     cache_salt: str | None = None  # the tenant's prefix-cache salt: no cache sharing across salts
 
 
+@dataclass(slots=True)
+class _Wire:
+    """One request's open streams, and the deployment each worker and stream of it is in."""
+
+    streams: dict[str, TokenStream] = field(default_factory=dict)
+    links: dict[str, Link] = field(default_factory=dict)  # worker id or stream id -> its deployment's link
+
+
 class EdgeMesh:
     def __init__(self, config: EdgeConfig, bus: Bus, edge_id: str) -> None:
         self.config = config
         self.bus = bus
-        self.directory = WorkerDirectory(bus)
-        self.receiver = StreamReceiver(bus, edge_id)
-        self.admission = AdmissionClient(bus, edge_id) if config.admission else None
         static = {config.dev_key: "default"} if config.dev_key else {}
         self.keys = KeyDirectory(bus, {**static, **config.team_keys()})
-        self.usage = UsagePublisher(bus)
+        self.usage = UsagePublisher(bus)  # every deployment's usage goes to the local stream: one ledger
         self.edge_id = edge_id
         self._secret = config.edge_secret.encode()
-        self.orphans = OrphanBiller(bus, self._secret, self.usage) if self._secret else None
-        self.registration: Registration | None = None
+        self.deployments = deployments_of(config)
+        self.links = [Link.build(d, bus if d is self.deployments.local else bus_in(bus, d.namespace), edge_id, config,
+                                 self._secret, self.usage) for d in self.deployments.in_order()]
+        self.local = self.links[0]
+        self.directory, self.receiver = self.local.directory, self.local.receiver
+        self.admission, self.orphans = self.local.admission, self.local.orphans
+        self.failover = Failover(self.links, DeploymentBreakers(self.deployments))
         self._tokenizers: dict[str, ModelTokenizer] = {}
         self._loading: dict[str, asyncio.Task[ModelTokenizer]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._served: dict[str, float] = {}  # model -> when a live worker last served it (monotonic)
 
+    @property
+    def registration(self) -> Registration | None:
+        return self.local.registration
+
     async def start(self) -> None:
-        self.directory.on_added.append(self._on_worker_added)
-        self.directory.on_removed.append(self._on_worker_removed)
-        self.directory.on_restarted.append(self._on_worker_restarted)
-        await self.receiver.start()
+        for link in self.links:
+            link.directory.on_added.append(self._on_worker_added)
+            link.directory.on_removed.append(lambda worker_id, link=link: self._on_worker_removed(link, worker_id))
+            link.directory.on_restarted.append(lambda worker_id, link=link: self._on_worker_restarted(link, worker_id))
         await ensure_usage_stream(self.bus)
         await self.keys.start()
-        if self.admission is not None:
-            await self.admission.start()
-        await self.directory.start()
-        for info in self.directory.live():
-            self._on_worker_added(info)
-        if self.orphans is not None:
-            await self.orphans.start()
-        else:
+        for link in self.links:
+            await link.start_streams()
+            for info in link.directory.live():
+                self._on_worker_added(info)
+        if not self._secret:
             log.warning("no edge secret (INFERMESH_EDGE_SECRET): requests of this edge go unbilled if it dies")
-        self.registration = await edge_registration(self.bus, self.edge_id, self.config.edge_heartbeat_s,
-                                                    self.config.edge_ttl_s)
+        for link in self.links:
+            await link.start_liveness(self.edge_id, self.config)
 
     async def stop(self) -> None:
-        """The edges key goes last: workers abort what this edge still had running once it is gone."""
-        if self.orphans is not None:
-            await self.orphans.stop()
-        await self.receiver.stop()
-        if self.admission is not None:
-            await self.admission.stop()
+        """The edges keys go last: workers abort what this edge still had running once it is gone."""
         await self.keys.stop()
-        await self.directory.stop()
-        if self.registration is not None:
-            await self.registration.stop()
+        for link in reversed(self.links):
+            await link.stop()
 
     # ------------------------------------------------------------ models and tokenizers
     def model_info(self, model: str) -> WorkerInfo | None:
-        """A live worker's info for ``model``; a model with none right now but served before raises 503."""
-        info = self.directory.models().get(model)
+        """A live worker's info for ``model`` (in any deployment, the local one first); a model with none right
+        now but served before raises 503."""
+        info = next((i for i in (link.directory.models().get(model) for link in self.links) if i is not None), None)
         if info is not None:
             self._served[model] = time.monotonic()
         elif self.was_served(model):
@@ -153,7 +158,8 @@ class EdgeMesh:
         return info
 
     def is_ready(self) -> bool:
-        return self.bus.nc.is_connected and any(w.tokenizer in self._tokenizers for w in self.directory.live())
+        return self.bus.nc.is_connected and any(w.tokenizer in self._tokenizers for link in self.links
+                                                for w in link.directory.live())
 
     async def tokenizer(self, info: WorkerInfo) -> ModelTokenizer:
         loaded = self._tokenizers.get(info.tokenizer)
@@ -188,25 +194,25 @@ class EdgeMesh:
         except errors.ApiError as exc:
             log.error("%s", exc.message)
 
-    def _on_worker_removed(self, worker_id: str) -> None:
-        if self.receiver.num_open(worker_id):
-            self._spawn(self._fail_streams_if_gone(worker_id))
+    def _on_worker_removed(self, link: Link, worker_id: str) -> None:
+        if link.receiver.num_open(worker_id):
+            self._spawn(self._fail_streams_if_gone(link, worker_id))
 
-    def _on_worker_restarted(self, worker_id: str) -> None:
+    def _on_worker_restarted(self, link: Link, worker_id: str) -> None:
         """A new incarnation answers pings under the old id: the streams of the old one fail at once."""
-        failed = self.receiver.fail_worker(worker_id, "worker_unavailable", f"worker {worker_id} restarted")
+        failed = link.receiver.fail_worker(worker_id, "worker_unavailable", f"worker {worker_id} restarted")
         if failed:
             log.warning("worker %s restarted with %d streams open", worker_id, failed)
 
-    async def _fail_streams_if_gone(self, worker_id: str) -> None:
+    async def _fail_streams_if_gone(self, link: Link, worker_id: str) -> None:
         """A registry lapse is not proof of death (NATS can be slow to take a heartbeat on a starved machine):
         ask the worker's liveness thread first, and fail its streams only if it does not answer."""
-        pong = await ping(self.bus, worker_id, self.config.liveness_probe_timeout_s)
+        pong = await ping(link.bus, worker_id, self.config.liveness_probe_timeout_s)
         if pong is not None:
             log.warning("worker %s lapsed from the registry but answers (its loop ran %.1fs ago): keeping its %d "
-                        "streams", worker_id, pong.loop_lag_s, self.receiver.num_open(worker_id))
+                        "streams", worker_id, pong.loop_lag_s, link.receiver.num_open(worker_id))
             return
-        failed = self.receiver.fail_worker(worker_id, "worker_unavailable", f"worker {worker_id} left the mesh")
+        failed = link.receiver.fail_worker(worker_id, "worker_unavailable", f"worker {worker_id} left the mesh")
         if failed:
             log.warning("worker %s vanished with %d streams open", worker_id, failed)
 
@@ -216,6 +222,21 @@ class EdgeMesh:
         task.add_done_callback(self._background.discard)
 
     # ------------------------------------------------------------ one request
+    async def acquire(self, team: str, klass: str, model: str, prompt_tokens: int, max_tokens: int,
+                      wait_s: float) -> tuple[Link, str] | None:
+        """An admission lease (None without admission): the local deployment's, else the first other one's
+        whose admission can serve ``model`` (one without a live worker of it, or unreachable, is skipped)."""
+        if self.admission is None:
+            return None
+
+        async def ask(link: Link) -> str:
+            if link.admission is None:
+                raise errors.service_unavailable(f"{link.name} runs no admission", "admission_unavailable")
+            return await link.admission.acquire(team, klass, model, prompt_tokens, max_tokens, wait_s)
+
+        link, lease_id = await self.failover.first_of(model, ask)
+        return link, lease_id  # type: ignore[return-value]
+
     def new_run(self, request_id: str, model: str, prompt_token_ids: list[int], sampling: SamplingParams,
                 tokenizer: ModelTokenizer, stop: list[str], billing: BillingContext,
                 hints: RouteHints = RouteHints(), migrations: int | None = None) -> RequestRun:
@@ -224,7 +245,7 @@ class EdgeMesh:
         return RequestRun(request_id, model, prompt_token_ids, sampling,
                           self.route_request(request_id, model, prompt_token_ids, hints),
                           IncrementalDetokenizer(tokenizer), StopStringMatcher(stop), billing, hints.cache_salt,
-                          Limits(migrations=limit))
+                          Limits(retries=self.config.max_retries, migrations=limit))
 
     def route_request(self, request_id: str, model: str, prompt_token_ids: list[int],
                       hints: RouteHints = RouteHints()) -> RouteRequest:
@@ -234,17 +255,15 @@ class EdgeMesh:
         return RouteRequest(request_id, model, len(prompt_token_ids), hints.session_id, [], hashes,
                             block_size if hashes else 0)
 
-    async def route(self, request: RouteRequest) -> RouteDecision:
-        """One routing answer (the router leaves out workers whose breaker is open); asked again only if the
-        router replica died with the request."""
+    async def route(self, bus: Bus, request: RouteRequest) -> RouteDecision:
+        """One routing answer from ``bus``'s deployment (its router leaves out workers whose breaker is open);
+        asked again only if the router replica died with the request."""
         try:
-            reply = await self.bus.request(self.bus.subjects.route, request, RouteReply,
-                                           timeout=self.config.route_timeout_s)
+            reply = await bus.request(bus.subjects.route, request, RouteReply, timeout=self.config.route_timeout_s)
         except BusError as first:  # a replica that died with the request: the queue group has others
             log.warning("route %s: %s; asking again", request.request_id, first)
             try:
-                reply = await self.bus.request(self.bus.subjects.route, request, RouteReply,
-                                               timeout=self.config.route_timeout_s)
+                reply = await bus.request(bus.subjects.route, request, RouteReply, timeout=self.config.route_timeout_s)
             except BusError as exc:
                 raise errors.service_unavailable(f"the router is unavailable: {exc}", "router_unavailable") from exc
         if isinstance(reply, RouteDecision):
@@ -260,7 +279,7 @@ class EdgeMesh:
         """Yield text deltas, then the request's Usage; raises ApiError before the first token, StreamBroken
         after it (once the stream could not migrate). ``on_settled`` gets what is billed, once, however the
         request ends: when the client leaves, after the abort was drained in the background."""
-        streams: dict[str, TokenStream] = {}
+        wire = _Wire()
         queue: deque[Action] = deque(run.start())
         try:
             while True:
@@ -273,24 +292,24 @@ class EdgeMesh:
                     elif isinstance(action, Fail):
                         raise action.error
                     else:
-                        queue.extend(await self._run_action(run, action, streams, on_settled))
+                        queue.extend(await self._run_action(run, action, wire, on_settled))
                 if run.phase in TERMINAL:
                     return
-                message = await streams[run.stream_id].next()
+                message = await wire.streams[run.stream_id].next()
                 queue.extend(run.message(message, time.monotonic()))
         finally:
-            self._wind_up(run, queue, streams, on_settled)
+            self._wind_up(run, queue, wire, on_settled)
 
-    def _wind_up(self, run: RequestRun, queue: Iterable[Action], streams: dict[str, TokenStream],
+    def _wind_up(self, run: RequestRun, queue: Iterable[Action], wire: _Wire,
                  on_settled: Callable[[Usage | None], None]) -> None:
         """The generator ended (or was closed): what is queued still happens; a live request is cancelled."""
         rest = [a for a in queue if not isinstance(a, (Emit, Finish, Fail))]
         if run.phase not in TERMINAL:
             rest += run.client_left()
-        if rest or streams:
-            self._spawn(self._drain(run, rest, streams, on_settled))
+        if rest or wire.streams:
+            self._spawn(self._drain(run, rest, wire, on_settled))
 
-    async def _drain(self, run: RequestRun, actions: list[Action], streams: dict[str, TokenStream],
+    async def _drain(self, run: RequestRun, actions: list[Action], wire: _Wire,
                      on_settled: Callable[[Usage | None], None]) -> None:
         """In the background: run what is left, and read a cancelled request's abort to its end message."""
         queue = deque(actions)
@@ -299,17 +318,17 @@ class EdgeMesh:
                 while queue:
                     action = queue.popleft()
                     if not isinstance(action, (Emit, Finish, Fail)):
-                        queue.extend(await self._run_action(run, action, streams, on_settled))
-                if run.settled or run.stream_id not in streams:
+                        queue.extend(await self._run_action(run, action, wire, on_settled))
+                if run.settled or run.stream_id not in wire.streams:
                     return
-                queue.extend(run.message(await streams[run.stream_id].next(), time.monotonic()))
+                queue.extend(run.message(await wire.streams[run.stream_id].next(), time.monotonic()))
         finally:
-            for stream_id in list(streams):
-                self.receiver.close(stream_id)
+            for stream_id in list(wire.streams):
+                wire.links[stream_id].receiver.close(stream_id)
             if not run.settled:
                 on_settled(run.usage)
 
-    async def _run_action(self, run: RequestRun, action: Action, streams: dict[str, TokenStream],
+    async def _run_action(self, run: RequestRun, action: Action, wire: _Wire,
                           on_settled: Callable[[Usage | None], None]) -> list[Action]:
         """Do one action; what the machine answers to its result comes back."""
         if isinstance(action, Route):
@@ -318,43 +337,49 @@ class EdgeMesh:
                             action.request.exclude_worker_ids[-1], len(run.output),
                             "migrating" if run.output else "retrying")
             try:
-                decision = await self.route(action.request)
+                link, decision = await self.failover.route(action.request, self.route, run.lease_deployment)
             except errors.ApiError as exc:
                 return run.route_failed(exc)
-            return run.routed(decision, time.monotonic())
+            wire.links[decision.worker_id] = wire.links[decision.prefill_worker_id] = link
+            return run.routed(decision, time.monotonic(), link.name)
         if isinstance(action, Send):
-            await self._send(action, streams)
+            await self._send(action, wire)
         elif isinstance(action, Report):
-            self._report(action.worker_id, action.stream_id, action.ok, action.kind, action.ttft_ms)
+            self._report(wire.links[action.worker_id].bus, action)
         elif isinstance(action, Abort):
-            self._spawn(self._abort(action.worker_id, action.stream_id, action.superseded))
-            stream = streams.get(action.stream_id)
+            bus = wire.links[action.worker_id].bus
+            self._spawn(self._abort(bus, action.worker_id, action.stream_id, action.superseded))
+            stream = wire.streams.get(action.stream_id)
             if action.drain and stream is not None:  # its end message (final counts) is awaited shortly
                 stream.deadline = min(stream.deadline, time.monotonic() + self.config.abort_drain_timeout_s)
         elif isinstance(action, Close):
-            streams.pop(action.stream_id, None)
-            self.receiver.close(action.stream_id)
+            wire.streams.pop(action.stream_id, None)
+            link = wire.links.get(action.stream_id)
+            if link is not None:
+                link.receiver.close(action.stream_id)
         elif isinstance(action, Settle):
             on_settled(action.usage)
         return []
 
-    async def _send(self, action: Send, streams: dict[str, TokenStream]) -> None:
+    async def _send(self, action: Send, wire: _Wire) -> None:
         request = action.request
         stream_id = request.request_id
-        streams[stream_id] = self.receiver.open(stream_id, action.worker_id, self.config.first_token_timeout_s,
-                                                self.config.inter_token_timeout_s)
+        link = wire.links[stream_id] = wire.links[action.worker_id]
+        wire.streams[stream_id] = link.receiver.open(stream_id, action.worker_id, self.config.first_token_timeout_s,
+                                                     self.config.inter_token_timeout_s)
         signed = sign(self._secret, stream_id, action.billing) if self._secret else None
-        await self.bus.publish(self.bus.subjects.worker_generate(action.worker_id),
+        await link.bus.publish(link.bus.subjects.worker_generate(action.worker_id),
                                msgspec.structs.replace(request, billing=signed),
-                               reply=self.receiver.subject(stream_id))
+                               reply=link.receiver.subject(stream_id))
 
-    def _report(self, worker_id: str, request_id: str, ok: bool, kind: str = "", ttft_ms: float = 0.0) -> None:
-        """How an attempt went on a worker, for the breaker (fire and forget: never delays the client)."""
-        self._spawn(self.bus.publish(self.bus.subjects.outcome(worker_id),
-                                     Outcome(worker_id, request_id, ok, kind, ttft_ms, time.time())))
+    def _report(self, bus: Bus, report: Report) -> None:
+        """How an attempt went on a worker, for its breaker (fire and forget: never delays the client)."""
+        self._spawn(bus.publish(bus.subjects.outcome(report.worker_id),
+                                Outcome(report.worker_id, report.stream_id, report.ok, report.kind, report.ttft_ms,
+                                        time.time())))
 
-    async def _abort(self, worker_id: str, request_id: str, superseded: bool = False) -> None:
+    async def _abort(self, bus: Bus, worker_id: str, request_id: str, superseded: bool = False) -> None:
         try:
-            await self.bus.publish(self.bus.subjects.worker_abort(worker_id), AbortRequest(request_id, superseded))
+            await bus.publish(bus.subjects.worker_abort(worker_id), AbortRequest(request_id, superseded))
         except Exception as exc:
             log.warning("abort of %s failed: %s", request_id, exc)

@@ -11,13 +11,34 @@ import msgspec
 import pytest
 
 from services.edge.attempt import (
-    TERMINAL, Abort, Action, Close, Emit, Fail, Finish, Limits, Phase, Report, RequestRun, Route, Send, Settle,
-    StreamBroken, Usage,
+    TERMINAL,
+    Abort,
+    Action,
+    Close,
+    Emit,
+    Fail,
+    Finish,
+    Limits,
+    Phase,
+    Report,
+    RequestRun,
+    Route,
+    Send,
+    Settle,
+    StreamBroken,
+    Usage,
 )
 from services.edge.text import IncrementalDetokenizer, StopStringMatcher
 from shared import errors
 from shared.schema import (
-    BillingContext, KvTransfer, RouteDecision, RouteRequest, SamplingParams, StreamEnd, StreamError, TokenChunk,
+    BillingContext,
+    KvTransfer,
+    RouteDecision,
+    RouteRequest,
+    SamplingParams,
+    StreamEnd,
+    StreamError,
+    TokenChunk,
 )
 
 PROMPT = [101, 102, 103, 104]
@@ -68,7 +89,10 @@ def tok(text_or_ids, stream: str = "r"):
     return ("msg", TokenChunk("w", 0, 0.0, stream, token_ids))
 
 
-def end(reason="stop", stream="r", prompt=len(PROMPT), cached=0, output=0, kv=None):
+PROMPT_LEN = len(PROMPT)
+
+
+def end(reason="stop", stream="r", prompt=PROMPT_LEN, cached=0, output=0, kv=None):
     return ("msg", StreamEnd("w", 0, 0.0, stream, reason, prompt, cached, output, kv))
 
 
