@@ -271,7 +271,9 @@ class MeteringService:
         """Everything every ``sync_s`` or when keys changed; only spend, at most every ``spend_sync_s``, after
         usage was committed (under load that is once per interval, not once per batch)."""
         last_full = time.monotonic()
-        while True:
+        # not ``while True``: on Python 3.11 wait_for can swallow the stop's cancel (when the event fires as it
+        # lands), and the loop ran on past stop(), whose gather then waited forever (seen in a fresh-clone run)
+        while not self._stopping.is_set():
             try:
                 await asyncio.wait_for(self._sync_now.wait(), self.config.spend_sync_s)
             except asyncio.TimeoutError:
