@@ -1,9 +1,10 @@
 """``infermesh teams|keys|prices|budgets``: the ledger's admin commands.
 
     infermesh teams create NAME            infermesh teams list
+    infermesh teams bus-user NAME          (the team's NATS user for batch jobs on the bus: infermesh/team_bus_users.py)
     infermesh keys create --team T [--name N] [--admin]
     infermesh keys revoke PREFIX           infermesh keys list [--team T]
-    infermesh prices set --model M --input X --cached-input Y --output Z [--effective-from ISO]
+    infermesh prices set --model M --input X --cached-input Y --output Z [--effective-from ISO] [--batch-percent P]
     infermesh prices list
     infermesh budgets set --team T --usd X [--month YYYY-MM]
 
@@ -20,6 +21,9 @@ import asyncio
 import datetime as dt
 import os
 import sys
+
+from shared.nats_auth import NatsCredentials
+from shared.schema import DEFAULT_BATCH_PERCENT
 
 COMMANDS = ("teams", "keys", "prices", "budgets")
 NATS_TIMEOUT_S = 5.0
@@ -41,6 +45,10 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     teams = _actions(commands, "teams", "teams (the unit of billing)")
     teams.add_parser("create", parents=[database], help="add a team").add_argument("name")
     teams.add_parser("list", parents=[database], help="list teams")
+    teams.add_parser("bus-user", parents=[database],
+                     help="the team's own NATS user for its batch jobs on the bus (infermesh/batch_client.py): made "
+                          "once, added to the bus up runs here at once; prints its password on stdout").add_argument(
+        "name")
 
     keys = _actions(commands, "keys", "API keys (stored as SHA-256; shown once)")
     create = keys.add_parser("create", parents=[database, notify], help="make a key; prints it once on stdout")
@@ -59,6 +67,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     price.add_argument("--cached-input", required=True, help="USD per 1M cached prompt tokens")
     price.add_argument("--output", required=True, help="USD per 1M completion tokens")
     price.add_argument("--effective-from", default="", help="ISO 8601 (default: now; no offset: UTC)")
+    price.add_argument("--batch-percent", type=int, default=DEFAULT_BATCH_PERCENT,
+                       help=f"a batch line's price, in percent of these (default {DEFAULT_BATCH_PERCENT})")
     prices.add_parser("list", parents=[database], help="every price row; * marks those in effect now")
 
     budgets = _actions(commands, "budgets", "monthly budgets per team")
@@ -99,7 +109,8 @@ async def _run(args: argparse.Namespace) -> int:
         elif args.command == "keys":
             await _keys(engine, args)
         elif args.command == "prices" and args.action == "set":
-            await admin.set_price(engine, args.model, args.input, args.cached_input, args.output, effective_from)
+            await admin.set_price(engine, args.model, args.input, args.cached_input, args.output, effective_from,
+                                  args.batch_percent)
             print(f"price of {args.model} set")
         elif args.command == "prices":
             await _list_prices(engine)
@@ -120,8 +131,45 @@ async def _teams(engine, args: argparse.Namespace) -> None:
         await admin.create_team(engine, args.name)
         print(f"team {args.name} created")
         return
+    if args.action == "bus-user":
+        if args.name not in {t["name"] for t in await admin.list_teams(engine)}:
+            raise _Failed(f"no team {args.name!r} (infermesh teams create {args.name})")
+        await _bus_user(args.name)
+        return
     rows = [(t["name"], str(t["active_keys"]), _when(t["created_at"])) for t in await admin.list_teams(engine)]
     _table(("TEAM", "ACTIVE_KEYS", "CREATED"), rows)
+
+
+async def _bus_user(team: str) -> None:
+    from infermesh.bus_roles import team_user
+    from infermesh.private_files import data_dir
+    from infermesh.team_bus_users import add_team_user, reload_team_users, running_url, team_credentials
+
+    password = add_team_user(data_dir(), team)
+    url = running_url(data_dir()) if reload_team_users(data_dir()) else None
+    if url:
+        await _await_login(url, team_credentials(team, tls_ca=NatsCredentials.from_env().tls_ca))
+        print(f"user {team_user(team)} may submit {team}'s batch jobs on {url} now", file=sys.stderr)
+    else:
+        print(f"user {team_user(team)}: the next infermesh up has it (no locked bus runs here now)", file=sys.stderr)
+    print(password)
+
+
+async def _await_login(url: str, credentials: NatsCredentials, timeout_s: float = 10.0) -> None:
+    """Until the server, reloading its config, lets the new user in."""
+    import nats
+
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            nc = await nats.connect(url, **credentials.connect_options(url), allow_reconnect=False,
+                                    connect_timeout=2, max_reconnect_attempts=0)
+            await nc.close()
+            return
+        except Exception as exc:  # authorization refused until the reload is done
+            if asyncio.get_running_loop().time() > deadline:
+                raise _Failed(f"the bus at {url} did not take the new user within {timeout_s:.0f} s: {exc}") from None
+            await asyncio.sleep(0.1)
 
 
 async def _keys(engine, args: argparse.Namespace) -> None:
@@ -148,8 +196,8 @@ async def _list_prices(engine) -> None:
     in_effect = {p["model"]: i for i, p in enumerate(prices) if p["effective_from"] <= now}
     rows = [(p["model"], _when(p["effective_from"]),
              *(admin.micros_to_usd(p[k]) for k in ("input_micros", "cached_input_micros", "output_micros")),
-             "*" if in_effect.get(p["model"]) == i else "") for i, p in enumerate(prices)]
-    _table(("MODEL", "FROM", "INPUT", "CACHED_INPUT", "OUTPUT", "NOW"), rows)
+             f"{p['batch_percent']}%", "*" if in_effect.get(p["model"]) == i else "") for i, p in enumerate(prices)]
+    _table(("MODEL", "FROM", "INPUT", "CACHED_INPUT", "OUTPUT", "BATCH", "NOW"), rows)
 
 
 def _keys_changed_subject(namespace: str) -> str:

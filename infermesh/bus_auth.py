@@ -3,7 +3,7 @@
     secrets = load_or_create_secrets(data_dir())            # {role: password}; made once, 0600, reused
     config = server_config(port, store_dir, Subjects(ns), secrets, tls)   # users with bus_roles' permissions
     write_private(path, json.dumps(config))                  # 0600: it holds the passwords
-    await provision(url, ns, role_credentials(Role.ADMIN, secrets, tls))   # buckets + usage stream, first
+    await provision(url, ns, role_credentials(Role.ADMIN, secrets, tls))   # buckets, files, streams, first
     url = start_locked_nats(group, state, ns, tls)          # all of it; group hands each service its credentials
 
 Invariants: the secrets file and the server config are written 0600 in folders of 0700 and never printed;
@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import secrets as random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 from infermesh.bus_roles import Role, buckets, permissions
+from infermesh.private_files import data_dir, write_private
 from infermesh.processes import ProcessGroup
+from infermesh.team_bus_users import load_team_secrets, record_running, server_users
 from shared.nats_auth import NatsCredentials
 from shared.ports import free_port, wait_for_port
 from shared.subjects import Subjects
@@ -47,22 +49,6 @@ def tls_files(cert: str = "", key: str = "", ca: str = "") -> TlsFiles | None:
     if not (cert and key):
         raise SystemExit("--nats-tls-cert and --nats-tls-key go together (and --nats-tls-ca with them)")
     return TlsFiles(*(str(Path(f).resolve()) if f else "" for f in (cert, key, ca)))
-
-
-def data_dir() -> Path:
-    """``$XDG_DATA_HOME/infermesh`` (default ``~/.local/share/infermesh``), where the ledger lives too."""
-    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "infermesh"
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write ``text`` readable by this user only (0600, folder 0700), atomically (a reader sees old or new)."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "w") as out:
-        out.write(text)
-    os.chmod(partial, 0o600)
-    os.replace(partial, path)
 
 
 def load_or_create_secrets(folder: Path) -> dict[Role, str]:
@@ -92,15 +78,20 @@ def role_credentials(role: Role, secrets: dict[Role, str], tls: TlsFiles | None 
 
 
 def server_config(port: int, store_dir: Path, subjects: Subjects, secrets: dict[Role, str],
-                  tls: TlsFiles | None = None, host: str = "127.0.0.1") -> dict[str, object]:
-    """A nats-server config (JSON is valid config syntax): JetStream, one user per role, TLS if given."""
+                  tls: TlsFiles | None = None, host: str = "127.0.0.1",
+                  team_secrets: Mapping[str, str] | None = None, pid_file: Path | None = None) -> dict[str, object]:
+    """A nats-server config (JSON is valid config syntax): JetStream, one user per role and per team that has a
+    bus user (infermesh/team_bus_users.py), TLS if given."""
     config: dict[str, object] = {
         "listen": f"{host}:{port}",
         "jetstream": {"store_dir": str(store_dir)},
         "authorization": {"users": [
-            {"user": role.value, "password": secrets[role], "permissions": permissions(role, subjects).server_block()}
-            for role in Role]},
+            *({"user": role.value, "password": secrets[role],
+               "permissions": permissions(role, subjects).server_block()} for role in Role),
+            *server_users(subjects, team_secrets or {})]},
     }
+    if pid_file is not None:
+        config["pid_file"] = str(pid_file)
     if tls is not None:
         config["tls"] = {"cert_file": tls.cert, "key_file": tls.key, **({"ca_file": tls.ca} if tls.ca else {}),
                          "timeout": 5}
@@ -112,8 +103,11 @@ def nats_url(port: int, tls: TlsFiles | None, host: str = "127.0.0.1") -> str:
 
 
 async def provision(url: str, namespace: str, admin: NatsCredentials) -> None:
-    """Create every bucket and stream of the namespace (as the services would), so a service never makes one."""
+    """Create every bucket, object store and stream of the namespace (as the services would), so a service never
+    makes one."""
+    from services.batch.streams import ensure_batch_streams
     from shared.bus import Bus
+    from shared.files import ensure_files_bucket
     from shared.kv_cas import ensure_bucket
     from shared.orphans import ensure_orphans_stream
     from shared.usage import ensure_dead_letter_stream, ensure_usage_stream
@@ -122,7 +116,8 @@ async def provision(url: str, namespace: str, admin: NatsCredentials) -> None:
     try:
         for bucket in buckets(bus.subjects):
             await ensure_bucket(bus, bucket)
-        for ensure in (ensure_usage_stream, ensure_dead_letter_stream, ensure_orphans_stream):
+        for ensure in (ensure_files_bucket, ensure_usage_stream, ensure_dead_letter_stream, ensure_orphans_stream,
+                       ensure_batch_streams):
             await ensure(bus)
     finally:
         await bus.close()
@@ -132,15 +127,18 @@ def start_locked_nats(group: ProcessGroup, state: Path, namespace: str, tls: Tls
                       secrets_dir: Path | None = None) -> str:
     """Start nats-server locked (secrets made once under ``secrets_dir``, default ``data_dir()``), provision it,
     and give ``group`` each service role's credentials; returns the URL."""
-    secrets = load_or_create_secrets(secrets_dir or data_dir())
+    folder = secrets_dir or data_dir()
+    secrets = load_or_create_secrets(folder)
     port = free_port()
-    config_path = state / "nats" / "nats-server.json"
-    write_private(config_path, json.dumps(server_config(port, state / "nats" / "store", Subjects(namespace), secrets,
-                                                        tls), indent=1))
+    config_path, pid_file = state / "nats" / "nats-server.json", state / "nats" / "nats-server.pid"
+    config = server_config(port, state / "nats" / "store", Subjects(namespace), secrets, tls,
+                           team_secrets=load_team_secrets(folder), pid_file=pid_file)
+    write_private(config_path, json.dumps(config, indent=1))
     group.spawn_nats_config(config_path)
     if not wait_for_port(port, 15):
         raise RuntimeError("nats-server did not start")
     url = nats_url(port, tls)
+    record_running(folder, config_path, pid_file, namespace, url)  # where `infermesh teams bus-user` adds a team
     asyncio.run(provision(url, namespace, role_credentials(Role.ADMIN, secrets, tls)))
     group.bus_credentials = {role.value: role_credentials(role, secrets, tls) for role in Role}
     return url

@@ -6,7 +6,8 @@ a KV read a consumer on ``KV_<bucket>`` or a direct get; JetStream API calls are
 | role      | publishes                                                       | subscribes                      |
 |-----------|-----------------------------------------------------------------|---------------------------------|
 | edge      | router.route, worker.*.generate/abort/ping, admission.*,        | stream.> (token streams),       |
-|           | outcome.*, usage (JetStream); the orphans consumer's acks       | edge.*.ping                     |
+|           | outcome.*, usage (JetStream); the orphans consumer's acks;      | edge.*.ping, batch.line (queue  |
+|           | batch.api.* (the Batch API, asked of the batch service)         | edges: a job's lines)           |
 | router    | router.decisions, worker.*.kv_replay/kv_snapshot; replies       | router.route, router.*.explain, |
 |           |                                                                 | router.decisions, kv.*, load.*  |
 | admission | replies (lease grants); the usage stream's info (last sequence) | admission.*                     |
@@ -15,8 +16,18 @@ a KV read a consumer on ``KV_<bucket>`` or a direct get; JetStream API calls are
 |           |                                                                 | (durable consumer)              |
 | worker    | stream.> (tokens), load.*, kv.*, orphans.* (JetStream),         | worker.>                        |
 |           | edge.*.ping; replies (load, kv pages, pong)                     |                                 |
+| batch     | batch.line (asks an edge), batch.results.> and batch.events.>   | batch.api.*                     |
+|           | (JetStream); the submissions consumer's acks; replies           |                                 |
 | admin     | metering.keys_changed, worker.*.load/ping, edge.*.ping,         | —                               |
 |           | router.*.explain; creates the buckets and streams (provision)   |                                 |
+
+A team's own program on the bus (``infermesh/batch_client.py``) connects as the team's user, ``team-<team>``
+(``team_permissions``; made with ``infermesh teams bus-user``): it publishes ``batch.submit.<team>`` and no
+other team's; it reads back only its own team's jobs: consumers on the events and results streams whose filter
+(in the API subject, ``CONSUMER.CREATE.<stream>.<name>.<filter>``) is under ``batch.<events|results>.<team>.``,
+and direct gets of its own events (``DIRECT.GET.<stream>.<subject>``). Calls that name no subject (the legacy
+``CONSUMER.CREATE.<stream>``, ``STREAM.MSG.GET``, stream info with a subjects filter) are not granted, so it
+cannot list or read another team's jobs.
 
 | role      | KV writes            | KV reads                    |
 |-----------|----------------------|-----------------------------|
@@ -27,18 +38,27 @@ a KV read a consumer on ``KV_<bucket>`` or a direct get; JetStream API calls are
 | breaker   | breakers             | workers                     |
 | metering  | api_keys, billing    | —                           |
 | worker    | workers (heartbeats) | edges                       |
+| batch     | batch (leader key)   | —                           |
 | admin     | —                    | workers, edges              |
 |           |                      | usage_dlq (dead letters)    |
+
+| role      | object stores (read, write, list, delete: ``object_store_access``)                       |
+|-----------|-------------------------------------------------------------------------------------------|
+| edge      | files (``/v1/files`` for its callers: ``shared/files.py``)                                |
+| batch     | files (a job's input, its ``batch_output`` files)                                         |
 
 Invariants: each role subscribes to replies only on its own inbox, ``_INBOX.<role>.>`` (so no role reads another's
 replies); a role answers requests only through ``allow_responses`` (one reply per request received) unless the
 subject is in its list; every role is denied stream update, delete and purge and message delete, ``$KV`` writes
-on every bucket it does not write, ``<ns>.usage`` unless it is the edge, ``<ns>.usage_dlq`` unless it is
-metering. Only admin creates buckets (``provision``, before any service starts), so no service can be the first
-to make one with a config of its own; the edge and metering send the usage streams' ``STREAM.CREATE`` (as
-``ensure_usage_stream`` does on every start), edges and workers the orphans stream's, which on a stream that
-exists is a no-op or refused, never a change. Responders answer only ``_INBOX.`` reply subjects
-(``shared.bus.is_reply_inbox``): NATS lets a reply through whatever the responder's own deny list says.
+on every bucket it does not write (``$O`` for an object store), ``<ns>.usage`` unless it is the edge,
+``<ns>.usage_dlq`` unless it is metering, ``batch.line``, ``batch.results.>`` and ``batch.events.>`` unless it
+is batch. Only admin creates buckets (``provision``, before any service starts),
+so no service can be the first to make one with a config of its own; the edge and metering send the usage
+streams' ``STREAM.CREATE`` (as ``ensure_usage_stream`` does on every start), edges and workers the orphans
+stream's, which on a stream that exists is a no-op or refused, never a change. A writer of an object store may
+purge that store's stream and no other (deleting an object purges its chunks): a stray purge there loses files,
+never another stream's messages. Responders answer only ``_INBOX.`` reply subjects (``shared.bus.is_reply_inbox``):
+NATS lets a reply through whatever the responder's own deny list says.
 """
 
 from __future__ import annotations
@@ -62,10 +82,12 @@ class Role(enum.StrEnum):
     BREAKER = "breaker"
     METERING = "metering"
     WORKER = "worker"
+    BATCH = "batch"
     ADMIN = "admin"
 
 
 SERVICE_ROLES = {f"services.{r.value}": r for r in Role if r is not Role.ADMIN}  # service module -> its role
+TEAM_USER_PREFIX = "team-"  # a team's NATS user: team-<team> (team names are letters, digits, '_' and '-')
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,14 +142,32 @@ def stream_read(stream: str) -> tuple[str, ...]:
             f"{JS}.CONSUMER.DELETE.{stream}.>", f"{JS}.STREAM.MSG.GET.{stream}", f"$JS.FC.{stream}.>")
 
 
+def object_store_access(bucket: str) -> tuple[str, ...]:
+    """Put, get, list (an ordered consumer on the infos), delete (a deleted info, then its chunks purged)."""
+    stream = f"OBJ_{bucket}"
+    return (f"{JS}.STREAM.INFO.{stream}", f"{JS}.CONSUMER.CREATE.{stream}", f"{JS}.CONSUMER.CREATE.{stream}.>",
+            f"{JS}.CONSUMER.DELETE.{stream}.>", f"{JS}.CONSUMER.INFO.{stream}.>", f"{JS}.DIRECT.GET.{stream}",
+            f"{JS}.DIRECT.GET.{stream}.>", f"{JS}.STREAM.MSG.GET.{stream}", f"$JS.FC.{stream}.>",
+            f"{JS}.STREAM.PURGE.{stream}", f"$O.{bucket}.>")
+
+
+def object_stores(s: Subjects) -> tuple[str, ...]:
+    return (s.files_bucket,)
+
+
 def buckets(s: Subjects) -> tuple[str, ...]:
     return (s.workers_bucket, s.edges_bucket, s.leases_bucket, s.breakers_bucket, s.sessions_bucket,
-            s.api_keys_bucket, s.billing_bucket)
+            s.api_keys_bucket, s.billing_bucket, s.batch_bucket)
 
 
 def streams(s: Subjects) -> tuple[str, ...]:
-    """Every JetStream stream of the namespace: the buckets' and the three plain ones."""
-    return (*(f"KV_{b}" for b in buckets(s)), s.usage_stream, s.usage_dead_letter_stream, s.orphans_stream)
+    """Every JetStream stream of the namespace: the KV buckets', the object stores' and the three plain ones."""
+    return (*(f"KV_{b}" for b in buckets(s)), *(f"OBJ_{b}" for b in object_stores(s)), s.usage_stream,
+            s.usage_dead_letter_stream, s.orphans_stream, *batch_streams(s))
+
+
+def batch_streams(s: Subjects) -> tuple[str, ...]:
+    return (s.batch_submit_stream, s.batch_results_stream, s.batch_events_stream)
 
 
 def _grants(role: Role, s: Subjects) -> tuple[tuple[str, ...], tuple[str, ...], frozenset[str], bool]:
@@ -137,8 +177,14 @@ def _grants(role: Role, s: Subjects) -> tuple[tuple[str, ...], tuple[str, ...], 
         return ((s.route, f"{worker}.generate", f"{worker}.abort", f"{worker}.ping", f"{ns}.admission.*",
                  s.outcome_all, *stream_publish(s.usage_stream, s.usage), *stream_consume(s.orphans_stream),
                  *kv_reads(s.workers_bucket), *kv_reads(s.breakers_bucket), *kv_reads(s.api_keys_bucket),
-                 *kv_writes(s.edges_bucket)),
-                (f"{ns}.stream.>", f"{edge}.ping"), frozenset({s.edges_bucket}), True)
+                 *kv_writes(s.edges_bucket), *object_store_access(s.files_bucket), f"{ns}.batch.api.*"),
+                (f"{ns}.stream.>", f"{edge}.ping", s.batch_line), frozenset({s.edges_bucket, s.files_bucket}), True)
+    if role is Role.BATCH:  # jobs: runs lines through the edges, keeps results and events, reads submissions
+        return ((s.batch_line, *stream_publish(s.batch_results_stream, s.batch_results_all),
+                 *stream_read(s.batch_results_stream), *stream_publish(s.batch_events_stream, s.batch_events_all),
+                 *stream_consume(s.batch_submit_stream), *kv_writes(s.batch_bucket),
+                 *object_store_access(s.files_bucket)),
+                (f"{ns}.batch.api.*",), frozenset({s.batch_bucket, s.files_bucket}), True)
     if role is Role.ROUTER:
         return ((s.route_decisions, f"{worker}.kv_replay", f"{worker}.kv_snapshot", *kv_reads(s.workers_bucket),
                  *kv_writes(s.breakers_bucket), *kv_writes(s.sessions_bucket)),
@@ -170,12 +216,23 @@ def _grants(role: Role, s: Subjects) -> tuple[tuple[str, ...], tuple[str, ...], 
 
 # Subjects only one role may publish (JetStream streams a forgery would land in): role -> subjects.
 OWN_PUBLISH = {Role.EDGE: lambda s: (s.usage,), Role.METERING: lambda s: (s.usage_dead_letters,),
-               Role.WORKER: lambda s: (s.orphans_all,)}
+               Role.WORKER: lambda s: (s.orphans_all,),
+               Role.BATCH: lambda s: (s.batch_line, s.batch_results_all, s.batch_events_all)}
+
+
+def _always_denied(s: Subjects, writes: frozenset[str]) -> tuple[str, ...]:
+    """ALWAYS_DENIED, but a writer of an object store may purge that store's stream (and no other)."""
+    purgeable = {f"OBJ_{b}" for b in object_stores(s) if b in writes}
+    if not purgeable:
+        return ALWAYS_DENIED
+    purges = tuple(f"{JS}.STREAM.PURGE.{stream}" for stream in streams(s) if stream not in purgeable)
+    return (*(d for d in ALWAYS_DENIED if d != f"{JS}.STREAM.PURGE.>"), *purges)
 
 
 def permissions(role: Role, subjects: Subjects) -> Permissions:
     publish, subscribe, writes, responds = _grants(role, subjects)
-    deny = (*ALWAYS_DENIED, *(f"$KV.{b}.>" for b in buckets(subjects) if b not in writes),
+    deny = (*_always_denied(subjects, writes), *(f"$KV.{b}.>" for b in buckets(subjects) if b not in writes),
+            *(f"$O.{b}.>" for b in object_stores(subjects) if b not in writes),
             *(subject for owner, owned in OWN_PUBLISH.items() if owner is not role for subject in owned(subjects)))
     return Permissions(
         publish=tuple(dict.fromkeys(publish)),
@@ -184,3 +241,20 @@ def permissions(role: Role, subjects: Subjects) -> Permissions:
         deny_subscribe=() if role is Role.EDGE else (f"{subjects.namespace}.stream.>",),
         responds=responds,
     )
+
+
+def team_user(team: str) -> str:
+    return f"{TEAM_USER_PREFIX}{team}"
+
+
+def team_permissions(team: str, s: Subjects) -> Permissions:
+    """A team's program: its own submissions, its own jobs' events and results (see the module docstring)."""
+    publish = [s.batch_submit(team)]
+    for stream, own in ((s.batch_events_stream, s.batch_events_of(team)),
+                        (s.batch_results_stream, s.batch_results_of(team))):
+        publish += [f"{JS}.CONSUMER.CREATE.{stream}.*.{own}", f"{JS}.CONSUMER.DELETE.{stream}.*", f"$JS.FC.{stream}.>"]
+    publish.append(f"{JS}.DIRECT.GET.{s.batch_events_stream}.{s.batch_events_of(team)}")
+    deny = (*ALWAYS_DENIED, *(f"$KV.{b}.>" for b in buckets(s)), *(f"$O.{b}.>" for b in object_stores(s)),
+            *(subject for owned in OWN_PUBLISH.values() for subject in owned(s)))
+    return Permissions(publish=tuple(publish), subscribe=(f"{INBOX}.{team_user(team)}.>",), deny_publish=deny,
+                       deny_subscribe=(f"{s.namespace}.stream.>",), responds=False)

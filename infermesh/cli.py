@@ -7,11 +7,14 @@
     infermesh up --sim-decoders N [--sim-prefill M] [--sim-profile NAME] [--sim-clock-factor X]
                  [--sim-stream-interval K] [--sim-engines-per-process P] --model NAME --model-path DIR
     infermesh prepare-model [--tiny DIR]
-    infermesh teams create NAME | teams list
+    infermesh teams create NAME | teams list | teams bus-user NAME
     infermesh keys create --team T [--name N] [--admin] | keys revoke PREFIX | keys list [--team T]
     infermesh prices set --model M --input X --cached-input Y --output Z [--effective-from ISO] | prices list
     infermesh budgets set --team T --usd X [--month YYYY-MM]
       (the ledger's admin commands: see infermesh/admin_cli.py)
+    infermesh batch submit FILE [--model M] [--endpoint E] [--wait] | batch list | batch status ID
+                    | batch cancel ID | batch results ID [--errors] [-o OUT]
+      (a team's batch jobs through the edge, with a key: see infermesh/batch_cli.py)
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import secrets
 import sys
 from pathlib import Path
 
-from infermesh import admin_cli
+from infermesh import admin_cli, batch_cli
 
 DEFAULT_MODEL = "gemma-3-270m"
 UP_DESCRIPTION = (
@@ -83,6 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     prepare.add_argument("--tiny", default="", help="instead, write the tiny random test model to this folder")
 
     admin_cli.add_commands(commands)
+    batch_cli.add_commands(commands)
     return parser
 
 
@@ -90,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command in admin_cli.COMMANDS:
         return admin_cli.run(args)
+    if args.command in batch_cli.COMMANDS:
+        return batch_cli.run(args)
     if args.command == "prepare-model":
         from infermesh import models
 

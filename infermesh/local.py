@@ -7,12 +7,18 @@ Edges ask for admission leases when the mesh runs an admission service (start it
 
 from __future__ import annotations
 
+import asyncio
+import io
+import logging
 import secrets
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from services.admission.config import AdmissionConfig
 from services.admission.service import AdmissionService
+from services.batch.config import BatchConfig
+from services.batch.service import BatchService
 from services.breaker.config import BreakerConfig
 from services.breaker.service import BreakerService
 from services.edge.config import EdgeConfig
@@ -25,6 +31,8 @@ from services.worker.config import WorkerConfig
 from services.worker.service import WorkerService
 from shared.bus import Bus
 from shared.nats_auth import NatsCredentials
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,6 +47,7 @@ class LocalMesh:
     breakers: list[BreakerService] = field(default_factory=list)
     admissions: list[AdmissionService] = field(default_factory=list)
     meterings: list[MeteringService] = field(default_factory=list)
+    batches: list[BatchService] = field(default_factory=list)
     credentials: dict[str, NatsCredentials] = field(default_factory=dict)  # role -> its credentials (locked bus)
     edge_secret: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)  # one for every edge
 
@@ -82,6 +91,10 @@ class LocalMesh:
         config = self._config(MeteringConfig, **options)
         return await self._start("metering", self.meterings, lambda bus: MeteringService(bus, config))
 
+    async def start_batch(self, **options: object) -> BatchService:
+        config = self._config(BatchConfig, **options)
+        return await self._start("batch", self.batches, lambda bus: BatchService(bus, config))
+
     async def start_worker(self, **options: object) -> WorkerService:
         config = self._config(WorkerConfig, **options)
         return await self._start("worker", self.workers, lambda bus: WorkerService(config, bus))
@@ -100,17 +113,35 @@ class LocalMesh:
         return f"http://127.0.0.1:{self.edges[edge_index].port}/v1"
 
     async def stop(self) -> None:
-        for edge in self.edges:
-            await edge.stop()
-        for admission in self.admissions:
-            await admission.stop()
-        for metering in self.meterings:
-            await metering.stop()
-        for worker in self.workers:
-            await worker.stop()
-        for router in self.routers:
-            await router.stop()
-        for breaker in self.breakers:
-            await breaker.stop()
+        """Stop everything, each service within ``STOP_WITHIN_S``: one that hangs is named (with every task's
+        stack) and the rest still stop, so a hang fails the caller instead of leaking services into the next."""
+        stuck: list[str] = []
+        groups: list[tuple[str, list[Any]]] = [
+            ("batch", self.batches),  # first: its lines in flight get their answers from the edges
+            ("edge", self.edges), ("admission", self.admissions), ("metering", self.meterings),
+            ("worker", self.workers), ("router", self.routers), ("breaker", self.breakers)]
+        for kind, services in groups:
+            for index, service in enumerate(services):
+                if not await _stop_within(service.stop(), f"{kind} {index}"):
+                    stuck.append(f"{kind} {index}")
         for bus in self.buses:
             await bus.close()
+        if stuck:
+            raise RuntimeError(f"did not stop within {STOP_WITHIN_S:.0f} s: {', '.join(stuck)}")
+
+
+STOP_WITHIN_S = 60.0
+
+
+async def _stop_within(stopping: Coroutine[Any, Any, None], name: str) -> bool:
+    task = asyncio.ensure_future(stopping)
+    done, _ = await asyncio.wait({task}, timeout=STOP_WITHIN_S)
+    if done:
+        task.result()
+        return True
+    stacks = io.StringIO()
+    for other in asyncio.all_tasks():
+        other.print_stack(limit=12, file=stacks)
+    log.error("%s did not stop within %.0f s; the tasks:\n%s", name, STOP_WITHIN_S, stacks.getvalue())
+    task.cancel()
+    return False

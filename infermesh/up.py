@@ -184,7 +184,8 @@ def _ready(url: str) -> dict[str, object] | None:
 
 
 def start_processes(group: ProcessGroup, options: MeshOptions, model_path: str, state: Path) -> str:
-    """Start NATS (unless options.nats_url), router, breaker, admission, metering, workers and edge in ``group``;
+    """Start NATS (unless options.nats_url), router, breaker, admission, metering, batch, workers and edge in
+    ``group``;
     returns the NATS URL."""
     nats_url = options.nats_url
     if not nats_url:  # locked: one NATS user per service role (infermesh/bus_auth.py)
@@ -201,6 +202,8 @@ def start_processes(group: ProcessGroup, options: MeshOptions, model_path: str, 
     if options.database_url:
         metering_args += ["--database-url", options.database_url]
     group.python_service("metering", "services.metering", metering_args, env)
+    batch_args = ["--database-url", options.database_url] if options.database_url else []
+    group.python_service("batch", "services.batch", batch_args, env)  # jobs: /v1/batches and the bus
     for i, process in enumerate(worker_processes(options)):
         args = ["--worker-id", process.worker_id, "--engine", options.engine, "--model", options.model,
                 "--model-path", model_path, "--max-model-len", str(options.max_model_len)]

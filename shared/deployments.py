@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Mapping
 
+from shared.schema import MAX_DEPLOYMENT
 from shared.subjects import DEFAULT_NAMESPACE, Subjects
 
 DEPLOYMENT_ENV = "INFERMESH_DEPLOYMENT"
@@ -134,6 +135,9 @@ class Deployments:
 def _check_name(name: str) -> None:
     if not all(c.isalnum() or c in "-_" for c in name):
         raise DeploymentsError(f"deployment name {name!r}: letters, digits, '-' and '_' only")
+    if len(name) > MAX_DEPLOYMENT:
+        raise DeploymentsError(f"deployment name {name[:16]!r}...: at most {MAX_DEPLOYMENT} characters (the ledger's "
+                               "column)")
 
 
 # ---------------------------------------------------------------- the breaker

@@ -64,6 +64,15 @@ def rate_limited(message: str, retry_after_s: float, code: str = "rate_limit_exc
     return ApiError(429, message, "requests", None, code, {"Retry-After": str(max(1, math.ceil(retry_after_s)))})
 
 
+class PoolFull(ApiError):
+    """429: the model's pool has no room (now, or within the request's wait). Another deployment may have it."""
+
+
+def pool_full(message: str, retry_after_s: float) -> PoolFull:
+    error = rate_limited(f"Rate limit reached: {message}", retry_after_s)
+    return PoolFull(error.status, error.message, error.type, error.param, error.code, error.headers)
+
+
 def insufficient_quota(message: str) -> ApiError:
     """429 as OpenAI sends it when the account's quota is spent (not retryable by waiting seconds)."""
     return ApiError(429, f"You exceeded your current quota: {message}", "insufficient_quota", None,

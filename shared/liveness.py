@@ -40,6 +40,7 @@ from nats.aio.msg import Msg
 from shared import schema
 from shared.bus import Bus, BusError, is_reply_inbox
 from shared.schema import EdgePong, WorkerInfo, WorkerPong
+from shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 TICK_S = 0.25  # how often the watched loop proves it runs
@@ -229,6 +230,5 @@ class Registration:
 
     async def halt(self) -> None:
         if self._ticker is not None:
-            self._ticker.cancel()
-            await asyncio.gather(self._ticker, return_exceptions=True)
+            await cancel_and_wait(self._ticker)
         await self._thread.stop()

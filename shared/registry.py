@@ -24,6 +24,7 @@ from shared.kv_cas import ensure_bucket
 from shared.kv_follower import KvFollower
 from shared.liveness import DEFAULT_MAX_STALL_S, LivenessThread, LoopWatch, tick_forever, worker_beacon
 from shared.schema import WorkerInfo
+from shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,7 @@ class WorkerRegistration:
     async def halt(self) -> None:
         """Stop beating without deregistering (as a dead process would): the TTL removes the entry."""
         if self._ticker:
-            self._ticker.cancel()
-            await asyncio.gather(self._ticker, return_exceptions=True)
+            await cancel_and_wait(self._ticker)
         if self._thread is not None:
             await self._thread.stop()
 

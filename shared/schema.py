@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import Meta, Struct
 
+from shared.batch_schema import MAX_BATCH_ID
+
 Role = Literal["both", "prefill", "decode"]
 SERVING_ROLES = ("both", "decode")  # roles that generate for clients (prefill workers only compute KV)
 FinishReason = Literal["stop", "length", "abort", "remote"]  # remote: prefilled for a decode worker
@@ -267,6 +269,7 @@ MAX_KEY_PREFIX = 32
 MAX_MODEL = 256
 MAX_WORKER_ID = 128
 MAX_TRACE_ID = 32
+MAX_DEPLOYMENT = 64  # a deployment's name (shared/deployments.py)
 MAX_COUNT = 2**31 - 1  # token counts and attempts are 32-bit integer columns
 MAX_UNIX_S = 253402300799.0  # 9999-12-31T23:59:59Z, the last second a datetime holds
 Count = Annotated[int, Meta(ge=0, le=MAX_COUNT)]
@@ -299,6 +302,8 @@ class UsageEvent(Struct, frozen=True):
     # (+ tokens so far) those workers recomputed: platform cost, never billed to the team
     migrations: Count = 0
     migration_prefill_tokens: Count = 0
+    deployment: Annotated[str, Meta(max_length=MAX_DEPLOYMENT)] = ""  # where its first token came from
+    batch_id: Annotated[str, Meta(max_length=MAX_BATCH_ID)] = ""  # the batch job of this line ("": interactive)
 
 
 class ApiKeyRecord(Struct, frozen=True):
@@ -309,17 +314,24 @@ class ApiKeyRecord(Struct, frozen=True):
     is_admin: bool = False
 
 
+DEFAULT_BATCH_PERCENT = 50  # a batch line's price, in percent of the interactive one (OpenAI's Batch API: half)
+
+
 class ModelPrice(Struct, frozen=True):
-    """USD per 1M tokens, in micro-USD (integers: costs are exact sums)."""
+    """USD per 1M tokens, in micro-USD (integers: costs are exact sums); a batch line pays ``batch_percent`` of it."""
 
     input_micros: int
     cached_input_micros: int
     output_micros: int
+    batch_percent: Annotated[int, Meta(ge=0, le=100)] = DEFAULT_BATCH_PERCENT
 
-    def cost_nano(self, prompt: int, cached: int, completion: int) -> int:
-        """The cost of one request in nano-USD (rounded half up, once per request)."""
+    def cost_nano(self, prompt: int, cached: int, completion: int, batch: bool = False) -> int:
+        """The cost of one request in nano-USD, rounded half up once per request; ``batch``: a batch job's line, at
+        ``batch_percent`` of the price, applied before that one rounding (never rounded twice)."""
         micro_tokens = (prompt - cached) * self.input_micros + cached * self.cached_input_micros \
             + completion * self.output_micros  # micro-USD per 1M tokens x tokens = 1e-12 USD
+        if batch:
+            return (micro_tokens * self.batch_percent + 50_000) // 100_000
         return (micro_tokens + 500) // 1000
 
 
@@ -378,6 +390,7 @@ class BillingContext(Struct, frozen=True, kw_only=True):
     created_at: Annotated[float, Meta(ge=0.0, le=MAX_UNIX_S)] = 0.0  # unix seconds: when the edge received it
     migrations: Count = 0  # attempts before this one that moved the stream (their tokens are this attempt's context)
     migration_prefill_tokens: Count = 0  # what the migrations so far recomputed (this attempt's included)
+    batch_id: Annotated[str, Meta(max_length=MAX_BATCH_ID)] = ""  # the batch job of a line (its batch price)
 
 
 class SignedBilling(Struct, frozen=True):

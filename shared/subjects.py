@@ -32,6 +32,7 @@ tests - can share one NATS server without hearing each other.
     KV bucket <ns>_api_keys           key <sha256>   ApiKeyRecord (metering keeps it in step with the ledger)
     KV bucket <ns>_billing            key prices     PriceSheet; key spend.<team>: TeamSpend
     <ns>.metering.keys_changed        publish        (empty): the CLI changed keys; metering syncs at once
+    object store <ns>_files           name file-<hex> the files of /v1/files (shared/files.py: chunks + info)
 """
 
 from __future__ import annotations
@@ -175,6 +176,56 @@ class Subjects:
     def orphans_stream(self) -> str:
         return f"{self.namespace}_orphans"
 
+    # --- batch jobs (services/batch; docs/batch.md)
+    @property
+    def batch_line(self) -> str:
+        """One line of a job, run by any edge (queue group ``edges``): BatchLineRequest -> BatchLineReply."""
+        return f"{self.namespace}.batch.line"
+
+    def batch_api(self, operation: str) -> str:
+        """The batch service's API for edges (create, retrieve, list, cancel): request/reply."""
+        return f"{self.namespace}.batch.api.{_check_token(operation, 'batch operation')}"
+
+    def batch_submit(self, team: str) -> str:
+        return f"{self.namespace}.batch.submit.{_check_token(team, 'team')}"
+
+    @property
+    def batch_submit_all(self) -> str:
+        return f"{self.namespace}.batch.submit.*"
+
+    @property
+    def batch_submit_stream(self) -> str:
+        return f"{self.namespace}_batch_submit"
+
+    def batch_events(self, team: str, job_id: str) -> str:
+        return f"{self.namespace}.batch.events.{_check_token(team, 'team')}.{_check_token(job_id, 'job id')}"
+
+    def batch_events_of(self, team: str) -> str:
+        """Every job's events of one team (a team user's permission)."""
+        return f"{self.namespace}.batch.events.{_check_token(team, 'team')}.>"
+
+    @property
+    def batch_events_all(self) -> str:
+        return f"{self.namespace}.batch.events.>"
+
+    @property
+    def batch_events_stream(self) -> str:
+        return f"{self.namespace}_batch_events"
+
+    def batch_results(self, team: str, job_id: str) -> str:
+        return f"{self.namespace}.batch.results.{_check_token(team, 'team')}.{_check_token(job_id, 'job id')}"
+
+    def batch_results_of(self, team: str) -> str:
+        return f"{self.namespace}.batch.results.{_check_token(team, 'team')}.>"
+
+    @property
+    def batch_results_all(self) -> str:
+        return f"{self.namespace}.batch.results.>"
+
+    @property
+    def batch_results_stream(self) -> str:
+        return f"{self.namespace}_batch_results"
+
     # --- JetStream KV buckets (bucket names allow no dots)
     @property
     def workers_bucket(self) -> str:
@@ -183,6 +234,11 @@ class Subjects:
     @property
     def edges_bucket(self) -> str:
         return f"{self.namespace}_edges"
+
+    @property
+    def batch_bucket(self) -> str:
+        """The batch service's leader key."""
+        return f"{self.namespace}_batch"
 
     @property
     def leases_bucket(self) -> str:
@@ -203,3 +259,9 @@ class Subjects:
     @property
     def billing_bucket(self) -> str:
         return f"{self.namespace}_billing"
+
+    # --- JetStream object stores
+    @property
+    def files_bucket(self) -> str:
+        """The files of ``/v1/files`` (batch inputs and outputs): ``shared/files.py``."""
+        return f"{self.namespace}_files"

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
+import tempfile
 import uuid
 from pathlib import Path
 from typing import AsyncIterator, Iterator
@@ -13,6 +16,17 @@ import pytest_asyncio
 from infermesh.processes import nats_server_binary
 from shared.ports import free_port
 from tests.utils import wait_for_port
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite's own data home: ``up``, the CLIs and metering's embedded SQLite ledger, secrets and keys go
+    under it, never under the user's ``~/.local/share/infermesh`` (a ledger left there by an older schema once
+    failed every batch test of a run: its 0005 lacked a column). Set before any fixture, so children inherit it."""
+    if not os.environ.get("INFERMESH_TEST_DATA_HOME"):
+        os.environ["INFERMESH_TEST_DATA_HOME"] = tempfile.mkdtemp(prefix="infermesh-tests-")
+        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop("INFERMESH_TEST_DATA_HOME"), ignore_errors=True))
+    os.environ["XDG_DATA_HOME"] = os.environ["INFERMESH_TEST_DATA_HOME"]
+    os.environ.pop("INFERMESH_DATABASE_URL", None)
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,7 @@ from infermesh.bus_auth import (
 )
 from infermesh.bus_roles import Role
 from infermesh.processes import nats_server_binary
+from infermesh.team_bus_users import add_team_user, load_team_secrets, record_running, team_credentials
 from shared.bus import Bus
 from shared.nats_auth import NatsCredentials
 from shared.ports import free_port
@@ -46,16 +47,26 @@ class LockedNats:
     def log_path(self) -> Path:
         return self.folder / "nats.log"
 
-    def start(self) -> "LockedNats":
-        self.secrets = load_or_create_secrets(self.folder / "secrets")
+    @property
+    def secrets_dir(self) -> Path:
+        return self.folder / "secrets"
+
+    def start(self, teams: tuple[str, ...] = ()) -> "LockedNats":
+        """Started with a user for each of ``teams``, and recorded as ``up`` records its server, so
+        ``team_bus_users.reload_team_users(self.secrets_dir)`` adds a team to it as it runs."""
+        self.secrets = load_or_create_secrets(self.secrets_dir)
+        for team in teams:
+            add_team_user(self.secrets_dir, team)
         port = free_port()
-        config = server_config(port, self.folder / "store", Subjects(self.namespace), self.secrets, self.tls)
+        config = server_config(port, self.folder / "store", Subjects(self.namespace), self.secrets, self.tls,
+                               team_secrets=load_team_secrets(self.secrets_dir), pid_file=self.folder / "nats.pid")
         write_private(self.folder / "nats.json", json.dumps(config))
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen([nats_server_binary(), "-c", str(self.folder / "nats.json")],
                                          stdout=log, stderr=subprocess.STDOUT)
         assert wait_for_port(port, 10), "nats-server did not start"
         self.url = nats_url(port, self.tls)
+        record_running(self.secrets_dir, self.folder / "nats.json", self.folder / "nats.pid", self.namespace, self.url)
         return self
 
     async def provision(self) -> None:
@@ -68,6 +79,9 @@ class LockedNats:
 
     def credentials(self, role: Role) -> NatsCredentials:
         return role_credentials(role, self.secrets, self.tls)
+
+    def team_credentials(self, team: str) -> NatsCredentials:
+        return team_credentials(team, self.secrets_dir, tls_ca=self.tls.ca if self.tls else "")
 
     async def bus(self, role: Role, name: str = "") -> Bus:
         return await Bus.connect(self.url, self.namespace, name or f"{role.value}-test", self.credentials(role))

@@ -45,6 +45,7 @@ class Seen:
     error: str = ""
     error_message: str = ""
     hung: bool = False
+    deployment: str = ""  # the response's x-infermesh-deployment: where its first token came from
     ended: float | None = None  # when the client's stream ended (the last chunk, an error, the hang limit)
 
     def open_at(self, t: float) -> bool:
@@ -191,11 +192,11 @@ def overall(phases: list[dict]) -> dict:
     return total
 
 
-def write_report(report: dict, out: Path) -> None:
+def write_report(report: dict, out: Path, stem: str = "migration", extra_md: str = "") -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "migration.json").write_text(json.dumps(report, indent=2) + "\n")
-    _plot(report, out / "migration.png")
-    (out / "table.md").write_text(markdown_tables(report))
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    _plot(report, out / f"{stem}.png")
+    (out / "table.md").write_text(markdown_tables(report) + extra_md)
 
 
 def _seconds(figures: dict) -> str:
@@ -275,7 +276,8 @@ def _plot(report: dict, path: Path) -> None:
         ax.bar(names, values, bottom=bottom, label=label, color=colour)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     for i, p in enumerate(phases):
-        ax.text(i, bottom[i], f"migrations {p['migrations']}\nrows {p['usage_rows']}/{p['requests']}",
+        served = "".join(f"\nserved by {d}: {n}" for d, n in sorted(p.get("served_by", {}).items()))
+        ax.text(i, bottom[i], f"migrations {p['migrations']}\nrows {p['usage_rows']}/{p['requests']}{served}",
                 ha="center", va="bottom", fontsize=7)
     ax.set_ylim(0, max(bottom, default=0) * 1.6 + 1)
     ax.set_ylabel("streams")

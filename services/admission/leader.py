@@ -16,15 +16,18 @@ from collections.abc import Awaitable, Callable
 
 from shared.bus import Bus
 from shared.kv_cas import CasConflict, cas_put, get_last
+from shared.tasks import cancel_and_wait
 
-log = logging.getLogger("infermesh.admission")
 LEADER_KEY = "leader"
 
 
 class Leadership:
     def __init__(self, bus: Bus, bucket: str, candidate_id: str, ttl_s: float,
-                 on_elected: Callable[[], Awaitable[None]], on_deposed: Callable[[], Awaitable[None]]) -> None:
+                 on_elected: Callable[[], Awaitable[None]], on_deposed: Callable[[], Awaitable[None]],
+                 service: str = "admission") -> None:
         self._bus, self._bucket, self.candidate_id, self.ttl_s = bus, bucket, candidate_id, ttl_s
+        self._service = service  # who leads: its logs say so, under its own logger
+        self._log = logging.getLogger(f"infermesh.{service}")
         self._on_elected, self._on_deposed = on_elected, on_deposed
         self.is_leader = False
         self._revision = 0
@@ -32,19 +35,17 @@ class Leadership:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="admission-leadership")
+        self._task = asyncio.create_task(self._loop(), name=f"{self._service}-leadership")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait(self._task)
         if self.is_leader:
             await self._step_down("stopping")
             try:  # hand over at once instead of after the TTL
                 kv = await self._bus.js.key_value(self._bucket)
                 await kv.delete(LEADER_KEY, last=self._revision)
             except Exception as exc:
-                log.warning("could not release the leader key: %s", exc)
+                self._log.warning("could not release the leader key: %s", exc)
 
     def still_leader(self) -> bool:
         """True while our key cannot have expired (checked before every grant)."""
@@ -61,7 +62,7 @@ class Leadership:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("leadership of %s: %s", self.candidate_id, exc)
+                self._log.warning("leadership of %s: %s", self.candidate_id, exc)
                 if self.is_leader and not self.still_leader():
                     await self._step_down(f"could not renew: {exc}")
             await asyncio.sleep(period)
@@ -77,7 +78,7 @@ class Leadership:
             return
         self._renewed_at = time.monotonic()
         self.is_leader = True
-        log.info("admission %s is the leader", self.candidate_id)
+        self._log.info("%s %s is the leader", self._service, self.candidate_id)
         await self._on_elected()
 
     async def _renew(self) -> None:
@@ -90,5 +91,5 @@ class Leadership:
 
     async def _step_down(self, why: str) -> None:
         self.is_leader = False
-        log.warning("admission %s steps down: %s", self.candidate_id, why)
+        self._log.warning("%s %s steps down: %s", self._service, self.candidate_id, why)
         await self._on_deposed()

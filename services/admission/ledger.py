@@ -8,7 +8,9 @@ its TTL lapses, so a dead holder's capacity comes back on its own::
       -> Reject  the request can never fit | the team is at its concurrency or tokens-per-minute
                  limit | the queue is full (Retry-After says when to come back)
       -> Grant   it fits now and nobody of its class or a higher one is waiting
-      -> Wait    queued until it fits or its deadline passes (then Reject queue_timeout)
+      -> Wait    queued until it fits or its deadline passes (then Reject queue_timeout); a request
+                 whose deadline is already past (wait 0: an edge asking who has room now) is
+                 rejected queue_timeout at once instead
 
 Who goes next when capacity frees (``_drain``): interactive before batch; within a class, the
 team using least of the pool per unit of weight (weighted fair share: with weights 2:1 and
@@ -131,6 +133,9 @@ class Ledger:
         waiter = Waiter(ticket, team, klass, tokens, holder, deadline)
         if not any(PRIORITY[w.klass] <= PRIORITY[klass] for w in self.waiters) and self._fits(waiter):
             return Grant(self._grant(waiter, now))
+        if deadline <= now:  # it will not wait: no room now is its answer
+            return Reject("queue_timeout", "no capacity free now, and the request does not wait",
+                          self._retry_after())
         if len(self.waiters) >= self.pool.max_queue:
             newest_batch = next((w for w in reversed(self.waiters) if w.klass == BATCH), None)
             if klass == BATCH or newest_batch is None:

@@ -26,6 +26,7 @@ from shared.breakers import BreakerView, RecordConflict
 from shared.bus import Bus
 from shared.registry import WorkerDirectory
 from shared.schema import BreakerRecord, BreakerTransition, Outcome, WorkerInfo
+from shared.tasks import cancel_and_wait
 
 log = logging.getLogger("infermesh.breaker")
 
@@ -58,9 +59,7 @@ class BreakerService:
     async def stop(self) -> None:
         if self._sub is not None:
             await self._sub.unsubscribe()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(*self._tasks)
         await self.directory.stop()
         await self.view.stop()
 

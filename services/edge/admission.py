@@ -26,7 +26,8 @@ from shared.schema import (
 
 log = logging.getLogger("infermesh.edge")
 CLASSES: tuple[str, ...] = get_args(RequestClass)
-RATE_LIMITED = ("concurrency_limit", "tokens_per_minute", "queue_full", "queue_timeout")
+RATE_LIMITED = ("concurrency_limit", "tokens_per_minute")  # the team's own limits
+POOL_FULL = ("queue_full", "queue_timeout")  # the pool's: another deployment may have room
 FAILOVER_S = 5.0  # how long an acquire keeps asking while no admission leader answers (leader TTL 3 s)
 
 
@@ -50,8 +51,8 @@ class AdmissionClient:
 
     async def acquire(self, team: str, klass: str, model: str, prompt_tokens: int, max_tokens: int,
                       wait_s: float) -> str:
-        """A lease id, or an ApiError: 429 (limits, queue, budget), 400 (can never fit), 503 (no worker, no
-        admission)."""
+        """A lease id, or an ApiError: 429 (limits, budget; ``PoolFull`` for a full queue or no room within
+        ``wait_s``: 0 asks for room now), 400 (can never fit), 503 (no worker, no admission)."""
         deadline = time.monotonic() + max(wait_s, FAILOVER_S)
         while True:
             request = LeaseRequest(uuid.uuid4().hex, team, klass, model, prompt_tokens + max_tokens, self.edge_id,
@@ -74,6 +75,8 @@ class AdmissionClient:
                 continue
             if reply.code == "insufficient_quota":
                 raise errors.insufficient_quota(reply.message)
+            if reply.code in POOL_FULL:
+                raise errors.pool_full(reply.message, reply.retry_after_s)
             if reply.code in RATE_LIMITED:
                 raise errors.rate_limited(f"Rate limit reached: {reply.message}", reply.retry_after_s)
             if reply.code == "too_large":

@@ -117,7 +117,7 @@ class EdgeApi:
         caller: Caller = request.caller
         include_usage = prepared.include_usage
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        request_id = uuid.uuid4().hex
+        request_id = request.request_id or uuid.uuid4().hex
         response_id = f"{prefix}-{request_id}"
         span = trace.INVALID_SPAN  # a no-op span unless a tracer provider is installed
         if tracing_enabled():
@@ -139,12 +139,12 @@ class EdgeApi:
         trace_id = _trace_id(span, request.headers)
         billing = BillingContext(request_id=request_id, attempt=0, team=caller.team, key_prefix=caller.key_prefix,
                                  model=model, request_class=klass, worker_id="", trace_id=trace_id,
-                                 created_at=arrived)  # signed into each attempt: billed if we die
+                                 created_at=arrived, batch_id=request.batch_id)  # signed per attempt: billed if we die
         run = self.mesh.new_run(request_id, model, prompt_ids, params, tokenizer, prepared.stop, billing, hints,
                                 self._max_migrations(request))
         run.lease_deployment = lease[0].name if lease is not None else ""
         bill = _Bill(request_id, caller, model, arrived, lease, asyncio.get_running_loop().create_future(),
-                     run.usage_so_far, trace_id)
+                     run.usage_so_far, trace_id, request.batch_id)
         events = _then(self.mesh.generate(run, bill.settle), lambda: self._spawn_bill(bill))
         try:
             with trace.use_span(span, end_on_exit=False) if span.is_recording() else nullcontext():
@@ -182,7 +182,7 @@ class EdgeApi:
                 usage.status, usage.finish_reason, usage.prompt_tokens, usage.cached_tokens,  # type: ignore[arg-type]
                 usage.completion_tokens, round(usage.ttft_ms, 3), round(1000 * (time.time() - bill.arrived), 3),
                 usage.worker_id, usage.prefill_worker_id, bill.trace_id, bill.arrived, usage.migrations,
-                usage.migration_prefill_tokens))
+                usage.migration_prefill_tokens, usage.deployment or self.mesh.local.name, bill.batch_id))
         if bill.lease is not None and bill.lease[0].admission is not None:
             link, lease_id = bill.lease
             spent = None
@@ -286,6 +286,7 @@ class _Bill:
     settled: "asyncio.Future[Usage | None]"  # what the request is billed, once its run settled it
     seen: Callable[[], Usage | None]  # what was seen so far, if it never settles in time
     trace_id: str
+    batch_id: str = ""  # a batch line's job: billed at the batch price
 
     def settle(self, usage: Usage | None) -> None:
         if not self.settled.done():

@@ -12,6 +12,8 @@ from litestar.types import Receive, Scope, Send
 
 from services.edge import http
 from services.edge.api import EdgeApi
+from services.edge.batches import batch_routes
+from services.edge.files import FilesApi
 from shared import errors
 
 log = logging.getLogger("infermesh.edge")
@@ -66,8 +68,11 @@ def create_app(api: EdgeApi) -> Litestar:
                 "models": sorted({w.model for w in live})}
         return Response(body, status_code=200 if is_ready else 503)
 
+    files = FilesApi(api.config, api.mesh.bus, api.authenticate)  # /v1/files: its own upload bounds (files.py)
+
     return Litestar(
-        route_handlers=[list_models, chat_completions, completions, health, ready],
+        route_handlers=[list_models, chat_completions, completions, health, ready, *files.route_handlers(),
+                        *batch_routes(api.mesh.bus, api.authenticate)],
         exception_handlers={errors.ApiError: _on_api_error, HTTPException: _on_http_error, Exception: _on_unexpected},
         openapi_config=None,
         debug=False,

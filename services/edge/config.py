@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.batch_schema import MAX_BATCH_FILE_BYTES
 from shared.config import BusConfig
 
 
@@ -51,6 +52,9 @@ class EdgeConfig(BusConfig):
     # its own open requests (``infermesh up --edge-replicas``)
     reuse_port: bool = False
     body_timeout_s: float = 30.0  # to read the whole body once its headers are in, else 408
+    # POST /v1/files (services/edge/files.py): its own bounds, the chat body limit above stays small
+    max_file_bytes: int = MAX_BATCH_FILE_BYTES  # a bigger file is 413 (as OpenAI's batch input limit: 200 MB)
+    file_upload_timeout_s: float = 600.0  # to read a whole upload once its headers are in, else 408
     max_tools: int = 128  # as OpenAI
     max_tools_bytes: int = 512 << 10  # the tools array as JSON
     max_schema_depth: int = 32  # JSON nesting inside a tool's (or response_format's) schema
@@ -86,6 +90,7 @@ class EdgeConfig(BusConfig):
         assert self.max_migrations >= 0, "max_migrations must be >= 0"
         assert self.max_body_bytes > 0 and self.max_header_bytes > 0 and self.header_timeout_s > 0
         assert self.body_timeout_s > 0 and self.max_tools > 0 and self.max_tools_bytes > 0
+        assert self.max_file_bytes > 0 and self.file_upload_timeout_s > 0
         assert self.max_schema_depth > 0 and self.prep_processes >= 0 and self.inline_prep_bytes >= 0
         assert self.route_timeout_s > 0 and self.first_token_timeout_s > 0 and self.inter_token_timeout_s > 0
         assert 0 < self.edge_heartbeat_s < self.edge_ttl_s, "edge_ttl_s must exceed edge_heartbeat_s"

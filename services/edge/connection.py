@@ -8,7 +8,8 @@ header size, so a client that sends its headers slowly, or forever, holds a conn
 |---------------------------------------------------------------|--------------------------------------|
 | request line + headers at most ``max_header_bytes``           | 431, connection closed               |
 | headers complete within ``header_timeout_s`` of the request's | 408, connection closed               |
-| first byte (or of the connection, before any byte)            |                                      |
+| first byte (or of the connection, before any byte)            | (the edge's own stalls not counted:  |
+|                                                               | deadlines.py)                        |
 
 and a lingering close: when the edge answers before the request's body arrived (401, 413, 408, see
 http.py; or any route, e.g. a 405 from Litestar) it closes the connection, and closing at once with unread bytes makes
@@ -25,6 +26,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from services.edge.deadlines import PatientDeadline
 from shared import errors
 
 LINGER_S = 2.0  # at most this long spent draining a rejected request's body before closing
@@ -81,7 +83,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.lingering = False
         self._awaiting_headers = True
         self._header_bytes = 0
-        self._deadline: asyncio.TimerHandle | None = None
+        self._deadline: PatientDeadline | None = None
         self._arm_deadline()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -122,7 +124,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self.transport.close()  # answered before its body ended (any route): never read the rest; lingers
 
     def _arm_deadline(self) -> None:
-        self._deadline = self.loop.call_later(self.header_limits.timeout_s, self._on_deadline)
+        self._deadline = PatientDeadline(self.loop, self.header_limits.timeout_s, self._on_deadline)  # not a stall's
 
     def _disarm_deadline(self) -> None:
         if self._deadline is not None:

@@ -8,7 +8,9 @@ stream: one ledger, whichever deployment served the request.
 
 Which deployment takes a request: the local one, else the others in priority order, each behind a breaker
 per (deployment, model) that one "unavailable" answer opens (no live worker of the model in its registry,
-no capacity, an unreachable router or admission); a single deployment has no breaker to open.
+no capacity, an unreachable router or admission); a single deployment has no breaker to open. A lease is
+asked for in two passes (``EdgeMesh.acquire``): first who has room now, in that order (a full pool spills
+the request to the next deployment); when none has, the first again, queueing there up to the wait.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ class Link:
               usage: UsagePublisher) -> "Link":
         return cls(deployment, bus, WorkerDirectory(bus), StreamReceiver(bus, edge_id),
                    AdmissionClient(bus, edge_id) if config.admission else None,
-                   OrphanBiller(bus, secret, usage) if secret else None)
+                   OrphanBiller(bus, secret, usage, deployment=deployment.name) if secret else None)
 
     def serves(self, model: str) -> bool:
         return any(w.role in SERVING_ROLES for w in self.directory.live(model))
@@ -130,9 +132,10 @@ class Failover:
         return sorted(links, key=lambda link: link.name != first) if first else links
 
     async def first_of(self, model: str, ask: Callable[[Link], Awaitable[object]], first: str = "",
-                       ) -> tuple[Link, object]:
+                       spill: bool = False) -> tuple[Link, object]:
         """``ask(link)`` of each candidate until one answers: (that link, its answer). An answer that says the
-        deployment is unavailable opens its breaker and goes on; none left: the first such error."""
+        deployment is unavailable opens its breaker and goes on; with ``spill``, so does a full pool, which
+        leaves its breaker be (a deployment that says it is full is up). None left: the first such error."""
         failure: errors.ApiError | None = None
         for link in self.candidates(model, first):
             ticket = self._admit(link, model)
@@ -140,6 +143,13 @@ class Failover:
                 continue
             try:
                 answer = await ask(link)
+            except errors.PoolFull as exc:
+                if isinstance(ticket, Ticket):
+                    self.breakers.served(ticket, time.monotonic())
+                if not spill or len(self.links) == 1:
+                    raise
+                failure = failure or exc
+                continue
             except errors.ApiError as exc:
                 reason = UNAVAILABLE.get(exc.code or "")
                 if reason is None or len(self.links) == 1:

@@ -16,6 +16,7 @@ What a request costs before it is answered (a hostile client gets no more):
 | Content-Length        | at most ``max_bytes``, checked before reading          | 413, connection closed |
 | body, as it arrives   | at most ``max_bytes`` (chunked bodies stop there)      | 413, connection closed |
 | body, in time         | whole within ``timeout_s`` of the app asking for it    | 408, connection closed |
+|                       | (the edge's own loop stalls not counted: deadlines.py) |                       |
 
 Headers (their size and deadline) are bounded one layer down, in ``connection.py``.
 """
@@ -24,9 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+from services.edge.deadlines import PatientDeadline
 from shared import errors
 
 log = logging.getLogger("infermesh.edge")
@@ -42,6 +46,8 @@ class HttpRequest:
     headers: dict[str, str]  # lower-case names
     body: bytes
     caller: Any = None  # who sent it, once authenticated (services.edge.keys.Caller)
+    request_id: str = ""  # "": a new one; a batch line's own for good (services/edge/batch_lines.py)
+    batch_id: str = ""  # the batch job a line belongs to (billed at the batch price)
 
 
 @dataclass(slots=True)
@@ -85,23 +91,41 @@ def _check_length(headers: dict[str, str], limits: BodyLimits) -> None:
 
 async def read_body(receive: Callable[[], Awaitable[dict[str, Any]]], limits: BodyLimits) -> bytes:
     """The whole body, or 413 as soon as it passes ``max_bytes``, or 408 past ``timeout_s`` (a trickle too)."""
-    parts: list[bytes] = []
-    size = 0
+    too_large = partial(errors.body_too_large, limits.max_bytes)
+    async with read_window(limits.timeout_s):
+        return b"".join([chunk async for chunk in body_chunks(receive, limits.max_bytes, too_large)])
+
+
+@asynccontextmanager
+async def read_window(timeout_s: float) -> AsyncIterator[None]:
+    """408 (the body's) unless the block ends within ``timeout_s``; the edge's own loop stalls not counted."""
+    loop = asyncio.get_running_loop()
     try:
-        async with asyncio.timeout(limits.timeout_s):
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    raise ClientGone()
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > limits.max_bytes:
-                    raise errors.body_too_large(limits.max_bytes)
-                parts.append(chunk)
-                if not message.get("more_body"):
-                    return b"".join(parts)
+        async with asyncio.timeout(None) as window:
+            deadline = PatientDeadline(loop, timeout_s, lambda: window.reschedule(loop.time()))
+            try:
+                yield
+            finally:
+                deadline.cancel()
     except TimeoutError:
-        raise errors.request_timeout("body", limits.timeout_s) from None
+        raise errors.request_timeout("body", timeout_s) from None
+
+
+async def body_chunks(receive: Callable[[], Awaitable[dict[str, Any]]], max_bytes: int,
+                      too_large: Callable[[], Exception]) -> AsyncIterator[bytes]:
+    """The body's chunks as they arrive; ``too_large()`` raised once they pass ``max_bytes``."""
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large()
+        yield chunk
+        if not message.get("more_body"):
+            return
 
 
 async def read_request(scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]],

@@ -34,7 +34,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Iterable
+from typing import AsyncIterator, Awaitable, Callable, Iterable
 
 import msgspec
 
@@ -225,16 +225,26 @@ class EdgeMesh:
     async def acquire(self, team: str, klass: str, model: str, prompt_tokens: int, max_tokens: int,
                       wait_s: float) -> tuple[Link, str] | None:
         """An admission lease (None without admission): the local deployment's, else the first other one's
-        whose admission can serve ``model`` (one without a live worker of it, or unreachable, is skipped)."""
+        whose admission can serve ``model`` (one without a live worker of it, or unreachable, is skipped).
+        With several deployments the first pass asks for room now, so a full local pool spills the request
+        to a deployment with room; only when none has does it wait, in the first one's queue."""
         if self.admission is None:
             return None
 
-        async def ask(link: Link) -> str:
-            if link.admission is None:
-                raise errors.service_unavailable(f"{link.name} runs no admission", "admission_unavailable")
-            return await link.admission.acquire(team, klass, model, prompt_tokens, max_tokens, wait_s)
+        def ask(wait: float) -> Callable[[Link], Awaitable[str]]:
+            async def lease(link: Link) -> str:
+                if link.admission is None:
+                    raise errors.service_unavailable(f"{link.name} runs no admission", "admission_unavailable")
+                return await link.admission.acquire(team, klass, model, prompt_tokens, max_tokens, wait)
+            return lease
 
-        link, lease_id = await self.failover.first_of(model, ask)
+        if len(self.links) > 1:
+            try:
+                link, lease_id = await self.failover.first_of(model, ask(0.0), spill=True)
+                return link, lease_id  # type: ignore[return-value]
+            except errors.PoolFull:
+                pass  # no deployment has room now: queue in the first that can serve
+        link, lease_id = await self.failover.first_of(model, ask(wait_s))
         return link, lease_id  # type: ignore[return-value]
 
     def new_run(self, request_id: str, model: str, prompt_token_ids: list[int], sampling: SamplingParams,

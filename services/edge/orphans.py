@@ -60,7 +60,7 @@ def verify(secret: bytes, request_id: str, signed: SignedBilling) -> BillingCont
         return None
 
 
-def orphan_usage_event(report: OrphanUsage, context: BillingContext) -> UsageEvent:
+def orphan_usage_event(report: OrphanUsage, context: BillingContext, deployment: str = "") -> UsageEvent:
     """The usage the dead edge would have published: cancelled (aborted as an orphan) or finished (it ended just
     before its edge died), with the counts the engine reported.
 
@@ -75,16 +75,18 @@ def orphan_usage_event(report: OrphanUsage, context: BillingContext) -> UsageEve
         report.finish_reason,
         report.num_prompt_tokens, min(cached, report.num_prompt_tokens), completion,
         round(report.ttft_ms, 3), round(duration_ms, 3), context.worker_id, context.prefill_worker_id,
-        context.trace_id, context.created_at, context.migrations, context.migration_prefill_tokens)
+        context.trace_id, context.created_at, context.migrations, context.migration_prefill_tokens, deployment,
+        context.batch_id)
 
 
 class OrphanBiller:
     """One edge's share of the orphans stream: pulls reports, bills the signed ones, acks each once handled."""
 
     def __init__(self, bus: Bus, secret: bytes, usage: UsagePublisher, batch_size: int = 16,
-                 fetch_wait_s: float = 1.0) -> None:
+                 fetch_wait_s: float = 1.0, deployment: str = "") -> None:
         assert secret, "an edge without the edge secret cannot verify orphan reports"
         self.bus, self.secret, self.usage = bus, secret, usage
+        self.deployment = deployment  # the reporting workers' (the link's): where the request was served
         self.batch_size, self.fetch_wait_s = batch_size, fetch_wait_s
         self.stats = {"billed": 0, "forged": 0, "unsigned": 0, "undecodable": 0, "retried": 0}
         self._sub = None
@@ -169,7 +171,7 @@ class OrphanBiller:
                       report.request_id, report.worker_id)
             return None
         try:  # a round trip validates the bounds (a worker's counts are not trusted to fit the ledger)
-            return schema.decode(schema.encode(orphan_usage_event(report, context)), UsageEvent)
+            return schema.decode(schema.encode(orphan_usage_event(report, context, self.deployment)), UsageEvent)
         except Exception as exc:
             self.stats["undecodable"] += 1
             log.error("orphan report %s from %s cannot be billed: %s", report.request_id, report.worker_id, exc)

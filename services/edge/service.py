@@ -12,6 +12,7 @@ import uvicorn
 
 from services.edge.api import EdgeApi
 from services.edge.app import create_app
+from services.edge.batch_lines import BatchLineServer
 from services.edge.config import EdgeConfig
 from services.edge.connection import HeaderLimits, guarded_protocol
 from services.edge.mesh import EdgeMesh
@@ -27,6 +28,8 @@ class EdgeService:
         self.mesh = EdgeMesh(config, bus, self.edge_id)
         self.api = EdgeApi(config, self.mesh)
         self.app = create_app(self.api)
+        self.batch_lines = BatchLineServer(bus, {"/v1/chat/completions": self.api.chat_completions,
+                                                 "/v1/completions": self.api.completions})
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
         self.port = config.http_port
@@ -35,6 +38,7 @@ class EdgeService:
         if not self.config.dev_key:
             log.warning("no API key configured (INFERMESH_DEV_KEY): every request will get 401")
         await self.mesh.start()
+        await self.batch_lines.start()
         server_config = uvicorn.Config(
             self.app, host=self.config.host, port=self.config.http_port, log_level="warning",
             access_log=False, lifespan="off", loop="none", timeout_graceful_shutdown=2, proxy_headers=False,
@@ -66,6 +70,7 @@ class EdgeService:
             self._server.should_exit = True
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
+        await self.batch_lines.stop()
         await self.api.drain_billing()
         self.api.prep.close()
         await self.mesh.stop()

@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from services.metering.billing import parse_month
 from services.metering.keys import new_key, valid_team_name
 from services.metering.models import ANY_MONTH, ApiKey, Budget, Model, Price, Team, UsageDaily
+from shared.schema import DEFAULT_BATCH_PERCENT
 
 MICROS_PER_USD = 1_000_000
 _MAX_MICROS = 2**63 - 1
@@ -151,11 +152,15 @@ async def list_keys(engine: AsyncEngine, team: str | None = None) -> list[dict]:
 # ---------------------------------------------------------------- prices
 
 async def set_price(engine: AsyncEngine, model: str, input_usd_per_1m: UsdAmount, cached_input_usd_per_1m: UsdAmount,
-                    output_usd_per_1m: UsdAmount, effective_from: dt.datetime | None = None) -> None:
+                    output_usd_per_1m: UsdAmount, effective_from: dt.datetime | None = None,
+                    batch_percent: int = DEFAULT_BATCH_PERCENT) -> None:
     """A model's price from ``effective_from`` (default: now) until the next row's; adds the model if new.
-    A second price for the same model and instant is refused (prices are history, not edited)."""
+    A batch line pays ``batch_percent`` of it. A second price for the same model and instant is refused (prices
+    are history, not edited)."""
     if not model or len(model) > 256:
         raise AdminError("model: give a name of 1 to 256 characters")
+    if isinstance(batch_percent, bool) or not isinstance(batch_percent, int) or not 0 <= batch_percent <= 100:
+        raise AdminError(f"batch percent: give an integer from 0 to 100, got {batch_percent!r}")
     micros = (usd_to_micros(input_usd_per_1m, "input price"),
               usd_to_micros(cached_input_usd_per_1m, "cached input price"),
               usd_to_micros(output_usd_per_1m, "output price"))
@@ -169,7 +174,7 @@ async def set_price(engine: AsyncEngine, model: str, input_usd_per_1m: UsdAmount
                 raise AdminError(f"{model} already has a price from {start.isoformat()}")
             await conn.execute(insert(Price).values(model=model, input_micros=micros[0],
                                                     cached_input_micros=micros[1], output_micros=micros[2],
-                                                    effective_from=start))
+                                                    batch_percent=batch_percent, effective_from=start))
     except IntegrityError:
         raise AdminError(f"{model} already has a price from {start.isoformat()}") from None
 
@@ -177,11 +182,12 @@ async def set_price(engine: AsyncEngine, model: str, input_usd_per_1m: UsdAmount
 async def list_prices(engine: AsyncEngine) -> list[dict]:
     """Every price row (past, current and future), by model then start."""
     query = (select(Price.model, Price.effective_from, Price.input_micros, Price.cached_input_micros,
-                    Price.output_micros).order_by(Price.model, Price.effective_from))
+                    Price.output_micros, Price.batch_percent).order_by(Price.model, Price.effective_from))
     async with engine.begin() as conn:
         rows = (await conn.execute(query)).all()
     return [{"model": r.model, "effective_from": as_utc(r.effective_from), "input_micros": r.input_micros,
-             "cached_input_micros": r.cached_input_micros, "output_micros": r.output_micros} for r in rows]
+             "cached_input_micros": r.cached_input_micros, "output_micros": r.output_micros,
+             "batch_percent": r.batch_percent} for r in rows]
 
 
 async def current_prices(engine: AsyncEngine, at: dt.datetime | None = None) -> dict[str, PriceTriple]:

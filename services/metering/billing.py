@@ -9,6 +9,9 @@ list comes from the raw ``usage`` rows.
 Every total also carries ``platform_cost``: the migrations of its requests (a stream moved to another worker
 mid-request) and the prompt tokens those workers recomputed. The platform pays for them; they are never in
 ``cost_nano``, which prices the counts the client was told.
+
+Batch spend is apart too: ``batch_requests`` / ``batch_cost_nano`` are the lines of batch jobs among ``requests`` /
+``cost_nano`` (which count every line; interactive is the difference), and ``jobs`` lists the team's batch jobs.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.metering.models import ANY_MONTH, ApiKey, Budget, Usage, UsageDaily
+from services.metering.models import ANY_MONTH, ApiKey, BatchJob, Budget, Usage, UsageDaily
 
 NANOS_PER_USD = 1_000_000_000
 NANOS_PER_MICRO = 1_000
@@ -67,7 +70,9 @@ def _sums() -> tuple[Any, ...]:
             func.sum(UsageDaily.cost_nano).label("cost_nano"),
             func.sum(UsageDaily.savings_nano).label("savings_nano"),
             func.sum(UsageDaily.migrations).label("migrations"),
-            func.sum(UsageDaily.migration_prefill_tokens).label("migration_prefill_tokens"))
+            func.sum(UsageDaily.migration_prefill_tokens).label("migration_prefill_tokens"),
+            func.sum(UsageDaily.batch_requests).label("batch_requests"),
+            func.sum(UsageDaily.batch_cost_nano).label("batch_cost_nano"))
 
 
 def platform_cost(migrations: Any, migration_prefill_tokens: Any) -> dict[str, int]:
@@ -78,10 +83,12 @@ def platform_cost(migrations: Any, migration_prefill_tokens: Any) -> dict[str, i
 def _totals(row: Any) -> dict[str, Any]:
     """The common counters of one aggregated row; ``total_tokens`` is prompt + completion (cached is in prompt)."""
     prompt, completion = _int(row.prompt_tokens), _int(row.completion_tokens)
-    cost, savings = _int(row.cost_nano), _int(row.savings_nano)
+    cost, savings, batch_cost = _int(row.cost_nano), _int(row.savings_nano), _int(row.batch_cost_nano)
     return {"requests": _int(row.requests), "prompt_tokens": prompt, "cached_tokens": _int(row.cached_tokens),
             "completion_tokens": completion, "total_tokens": prompt + completion,
             "cost_nano": cost, "cost_usd": usd(cost), "savings_nano": savings, "savings_usd": usd(savings),
+            "batch_requests": _int(row.batch_requests), "batch_cost_nano": batch_cost,
+            "batch_cost_usd": usd(batch_cost),
             "platform_cost": platform_cost(row.migrations, row.migration_prefill_tokens)}
 
 
@@ -156,6 +163,17 @@ async def recent_usage(session: AsyncSession, team: str, limit: int = 50) -> lis
         "completion_tokens": u.completion_tokens, "total_tokens": u.prompt_tokens + u.completion_tokens,
         "cost_nano": int(u.cost_nano), "cost_usd": usd(int(u.cost_nano)), "status": u.status,
         "finish_reason": u.finish_reason, "ttft_ms": u.ttft_ms, "duration_ms": u.duration_ms,
-        "trace_id": u.trace_id, "created_at": _utc_iso(u.created_at),
+        "trace_id": u.trace_id, "deployment": u.deployment, "batch_id": u.batch_id,
+        "created_at": _utc_iso(u.created_at),
         "platform_cost": platform_cost(u.migrations, u.migration_prefill_tokens),
     } for u in rows]
+
+
+async def jobs(session: AsyncSession, team: str, limit: int = 20) -> list[dict[str, Any]]:
+    """The team's latest batch jobs, newest first: id, status, request counts and when each was created."""
+    rows = await session.execute(
+        select(BatchJob.id, BatchJob.status, BatchJob.total, BatchJob.completed, BatchJob.failed, BatchJob.created_at)
+        .where(BatchJob.team == team).order_by(BatchJob.created_at.desc(), BatchJob.id.desc()).limit(limit))
+    return [{"id": row.id, "status": row.status,
+             "request_counts": {"total": row.total, "completed": row.completed, "failed": row.failed},
+             "created_at": None if row.created_at is None else _utc_iso(row.created_at)} for row in rows]

@@ -34,6 +34,7 @@ DEFAULT_DAYS = 30
 MAX_RANGE_DAYS = 366
 MAX_KEYS = 100
 MAX_USAGE_ROWS = 500
+MAX_JOBS = 100
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 # The page is self-contained: nothing may load from elsewhere, and it only talks to this origin.
 DASHBOARD_HEADERS = {
@@ -216,6 +217,14 @@ def create_billing_app(engine: AsyncEngine, key_cache_ttl_s: float = 1.0) -> Lit
             rows = await billing.recent_usage(session, team, limit)
         return {"team": team, "data": rows}
 
+    @get("/v1/billing/teams/{team:str}/jobs")
+    async def jobs(request: Request) -> dict[str, Any]:
+        team = await require_admin(request)
+        limit = _limit_param(request, 20, MAX_JOBS)
+        async with sessions() as session:
+            rows = await billing.jobs(session, team, limit)
+        return {"team": team, "data": rows}
+
     @get("/dashboard/{team:str}", sync_to_thread=False)
     def dashboard() -> Response[bytes]:
         # The page reads the team from its own path and the key from the fragment; nothing is templated in.
@@ -226,7 +235,7 @@ def create_billing_app(engine: AsyncEngine, key_cache_ttl_s: float = 1.0) -> Lit
         return {"status": "ok"}
 
     return Litestar(
-        route_handlers=[summary, daily, top_keys, usage, dashboard, health],
+        route_handlers=[summary, daily, top_keys, usage, jobs, dashboard, health],
         exception_handlers={ApiError: _on_api_error, HTTPException: _on_http_error, Exception: _on_unexpected},
         openapi_config=None,
         debug=False,

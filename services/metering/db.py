@@ -114,3 +114,28 @@ async def migrate(url: str = "") -> None:
     from alembic import command
 
     await asyncio.to_thread(command.upgrade, alembic_config(url), "head")
+
+
+async def wait_for_schema(url: str = "", timeout_s: float = 120.0, every_s: float = 0.5) -> None:
+    """Until the ledger's schema is at the newest revision: for services that use the ledger metering migrates
+    (two processes migrating one database at once would race). Raises TimeoutError past ``timeout_s``."""
+    from alembic.script import ScriptDirectory
+    from sqlalchemy import text
+
+    head = ScriptDirectory.from_config(alembic_config(url)).get_current_head()
+    engine = create_engine(database_url(url))
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    try:
+        while True:
+            try:
+                async with engine.connect() as conn:
+                    if (await conn.execute(text("SELECT version_num FROM alembic_version"))).scalar() == head:
+                        return
+            except Exception:  # no database yet, or no alembic_version table: metering has not begun
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"the ledger's schema did not reach revision {head} within {timeout_s:.0f} s "
+                                   "(metering migrates it: is it running?)")
+            await asyncio.sleep(every_s)
+    finally:
+        await engine.dispose()

@@ -71,10 +71,11 @@ def prometheus_text(stats: dict[str, int], lag: dict[str, float], pending: int, 
     reasons = get_args(DeadLetterReason)
     dead = sum(stats.get(dead_letter_key(reason), 0) for reason in reasons)
     lines = [
-        "# HELP infermesh_metering_usage_total Usage messages by result (inserted, duplicates, dead_lettered).",
+        "# HELP infermesh_metering_usage_total Usage messages by result (inserted, duplicates, superseded: a batch "
+        "line's unfinished row replaced by its finished run, dead_lettered).",
         "# TYPE infermesh_metering_usage_total counter",
         *(f'infermesh_metering_usage_total{{result="{result}"}} {stats.get(result, 0)}'
-          for result in ("inserted", "duplicates")),
+          for result in ("inserted", "duplicates", "superseded")),
         f'infermesh_metering_usage_total{{result="dead_lettered"}} {dead}',
         "# HELP infermesh_metering_dead_letters_total Usage messages put on the dead-letter stream, by reason.",
         "# TYPE infermesh_metering_dead_letters_total counter",

@@ -8,6 +8,7 @@ The usage columns and the wire type share one definition (``shared/schema.py``):
 as long as ``UsageEvent``'s bounds (``MAX_*``), and a closed set (status, finish reason) is a column
 ``CODE_WIDTH`` long with a CHECK that it is one of its ``Literal``'s members. A message that fits the
 type fits the table; tests/unit/test_ledger_types.py holds both to it, test_ledger_db.py the migrations.
+``batch_jobs`` does the same with ``shared/batch_schema.py`` (its bounds, and its status, endpoint, window, source).
 """
 
 from __future__ import annotations
@@ -23,15 +24,29 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
+    Index,
     Integer,
     MetaData,
     String,
     UniqueConstraint,
     func,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import JSON
 
+from shared.batch_schema import (
+    MAX_BATCH_ID,
+    MAX_FILE_ID,
+    MAX_SUBMIT_ID,
+    BatchEndpoint,
+    BatchSource,
+    BatchStatus,
+    CompletionWindow,
+)
 from shared.schema import (
+    DEFAULT_BATCH_PERCENT,
+    MAX_DEPLOYMENT,
     MAX_KEY_PREFIX,
     MAX_MODEL,
     MAX_REQUEST_ID,
@@ -67,6 +82,14 @@ def one_of(column: str, kind: object) -> CheckConstraint:
     """``column`` holds only a member of the Literal ``kind`` (named ``ck_<table>_<column>``)."""
     members = ", ".join(f"'{member}'" for member in get_args(kind))
     return CheckConstraint(f"{column} IN ({members})", name=column)
+
+
+def _at() -> Mapped[dt.datetime | None]:
+    return mapped_column(DateTime(timezone=True), nullable=True)
+
+
+def _count() -> Mapped[int]:
+    return mapped_column(Integer, nullable=False, default=0, server_default="0")
 
 
 def _created() -> Mapped[dt.datetime]:
@@ -113,14 +136,20 @@ class Price(Base):
     input_micros: Mapped[int] = mapped_column(BigInteger, nullable=False)
     cached_input_micros: Mapped[int] = mapped_column(BigInteger, nullable=False)
     output_micros: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    # a batch line's price in percent of the three above; rows from before revision 0005 read as the default
+    batch_percent: Mapped[int] = mapped_column(Integer, nullable=False, default=DEFAULT_BATCH_PERCENT,
+                                               server_default=str(DEFAULT_BATCH_PERCENT))
     effective_from: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), nullable=False)
 
 
 class Usage(Base):
-    """One billed attempt. (request_id, attempt) is unique: a redelivered usage message inserts nothing."""
+    """One billed attempt. (request_id, attempt) is unique: a redelivered usage message inserts nothing; a batch
+    line's request id is unique whatever its attempt (a line run again after a crash is billed once)."""
 
     __tablename__ = "usage"
     __table_args__ = (UniqueConstraint("request_id", "attempt", name="uq_usage_request_attempt"),
+                      Index("uq_usage_batch_request", "request_id", unique=True,
+                            postgresql_where=text("batch_id <> ''"), sqlite_where=text("batch_id <> ''")),
                       one_of("status", UsageStatus), one_of("finish_reason", UsageFinishReason))
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
@@ -146,6 +175,10 @@ class Usage(Base):
     # and the prompt (+ tokens so far) those workers recomputed. Server defaults: rows from before revision 0003.
     migrations: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
     migration_prefill_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+    # where the first token came from (docs/deployments.md); "" in rows from before revision 0004
+    deployment: Mapped[str] = mapped_column(String(MAX_DEPLOYMENT), nullable=False, default="", server_default="")
+    # the batch job this line belongs to, priced at the batch price; "" for interactive (and before revision 0005)
+    batch_id: Mapped[str] = mapped_column(String(MAX_BATCH_ID), nullable=False, default="", server_default="")
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), nullable=False, index=True)
     ingested_at: Mapped[dt.datetime] = _created()
 
@@ -168,6 +201,9 @@ class UsageDaily(Base):
     # platform cost, not in cost_nano (see Usage)
     migrations: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")
     migration_prefill_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")
+    # the batch lines among the above (their requests and cost are in requests and cost_nano too)
+    batch_requests: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")
+    batch_cost_nano: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")
 
 
 class Budget(Base):
@@ -178,3 +214,46 @@ class Budget(Base):
     team: Mapped[str] = mapped_column(NAME, ForeignKey("teams.name"), primary_key=True)
     month: Mapped[str] = mapped_column(String(7), primary_key=True)
     amount_micros: Mapped[int] = mapped_column(BigInteger, nullable=False)  # USD in micro-USD
+
+
+class BatchJob(Base):
+    """A batch job (shared.batch_schema.BatchJobRecord; services/batch/store.py reads and writes it).
+
+    Its ``status`` is the truth across batch replicas: an update never moves it backwards (store.save_job).
+    ``submit_id`` is the Nats-Msg-Id of a bus submission: unique per team, so a job published twice is one job.
+    """
+
+    __tablename__ = "batch_jobs"
+    __table_args__ = (UniqueConstraint("team", "submit_id"),
+                      Index("ix_batch_jobs_team_created_at", "team", "created_at"),  # a team's jobs, newest first
+                      one_of("status", BatchStatus), one_of("endpoint", BatchEndpoint),
+                      one_of("completion_window", CompletionWindow), one_of("source", BatchSource))
+
+    id: Mapped[str] = mapped_column(String(MAX_BATCH_ID), primary_key=True)
+    team: Mapped[str] = mapped_column(NAME, nullable=False)
+    key_prefix: Mapped[str] = mapped_column(PREFIX, nullable=False, default="", server_default="")
+    endpoint: Mapped[str] = mapped_column(String(CODE_WIDTH), nullable=False)
+    model: Mapped[str] = mapped_column(MODEL, nullable=False, default="", server_default="")
+    input_file_id: Mapped[str] = mapped_column(String(MAX_FILE_ID), nullable=False)
+    completion_window: Mapped[str] = mapped_column(String(CODE_WIDTH), nullable=False, server_default="24h")
+    status: Mapped[str] = mapped_column(String(CODE_WIDTH), nullable=False, server_default="validating")
+    source: Mapped[str] = mapped_column(String(CODE_WIDTH), nullable=False, server_default="http")
+    created_at: Mapped[dt.datetime | None] = _at()
+    expires_at: Mapped[dt.datetime | None] = _at()
+    in_progress_at: Mapped[dt.datetime | None] = _at()
+    finalizing_at: Mapped[dt.datetime | None] = _at()
+    completed_at: Mapped[dt.datetime | None] = _at()
+    failed_at: Mapped[dt.datetime | None] = _at()
+    expired_at: Mapped[dt.datetime | None] = _at()
+    cancelling_at: Mapped[dt.datetime | None] = _at()
+    cancelled_at: Mapped[dt.datetime | None] = _at()
+    total: Mapped[int] = _count()
+    completed: Mapped[int] = _count()
+    failed: Mapped[int] = _count()
+    output_file_id: Mapped[str | None] = mapped_column(String(MAX_FILE_ID), nullable=True)
+    error_file_id: Mapped[str | None] = mapped_column(String(MAX_FILE_ID), nullable=True)
+    errors: Mapped[list | None] = mapped_column(JSON(none_as_null=True), nullable=True)  # [BatchLineError]
+    metadata_: Mapped[dict | None] = mapped_column("metadata", JSON(none_as_null=True), nullable=True)
+    submit_id: Mapped[str | None] = mapped_column(String(MAX_SUBMIT_ID), nullable=True)
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=func.current_timestamp(),
+                                                    nullable=False)

@@ -88,4 +88,4 @@ class Isolation(Generic[Item]):
             return
         self._parts.pop()
         self.written = Written(self.written.inserted + written.inserted, self.written.duplicates + written.duplicates,
-                               self.written.teams | written.teams)
+                               self.written.teams | written.teams, self.written.superseded + written.superseded)

@@ -41,6 +41,7 @@ from shared import schema
 from shared.bus import Bus
 from shared.kv_cas import ensure_bucket
 from shared.schema import DeadLetterReason, UsageEvent
+from shared.tasks import cancel_and_wait
 from shared.usage import ensure_usage_stream
 
 log = logging.getLogger("infermesh.metering")
@@ -102,9 +103,7 @@ class MeteringService:
         supervisors = self._tasks[:-1]
         if supervisors:
             await asyncio.wait(supervisors, timeout=STOP_WAIT_S)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(*self._tasks)
         if self._billing is not None:
             await self._billing.stop()  # type: ignore[attr-defined]
         try:
@@ -140,8 +139,7 @@ class MeteringService:
             try:
                 await asyncio.wait({task})
             except asyncio.CancelledError:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+                await cancel_and_wait(task)
                 raise
             finally:
                 self.writer_tasks.pop(writer, None)
@@ -229,6 +227,7 @@ class MeteringService:
     def _account(self, written: Written, batch: list[Item]) -> None:
         self.stats["inserted"] += written.inserted
         self.stats["duplicates"] += written.duplicates
+        self.stats["superseded"] += written.superseded
         now = time.time()
         for seq, event in batch:
             self.lag.add(now - event.created_at)

@@ -45,8 +45,9 @@ async def load_keys(engine: AsyncEngine) -> dict[str, ApiKeyRecord]:
 async def load_prices(engine: AsyncEngine) -> PriceBook:
     async with engine.connect() as conn:
         rows = await conn.execute(select(Price.model, Price.effective_from, Price.input_micros,
-                                         Price.cached_input_micros, Price.output_micros))
-        return PriceBook((model, _utc(start).timestamp(), ModelPrice(i, c, o)) for model, start, i, c, o in rows.all())
+                                         Price.cached_input_micros, Price.output_micros, Price.batch_percent))
+        return PriceBook((model, _utc(start).timestamp(), ModelPrice(i, c, o, batch))
+                         for model, start, i, c, o, batch in rows.all())
 
 
 async def load_budgets(engine: AsyncEngine, month: str) -> dict[str, int]:

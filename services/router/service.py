@@ -43,6 +43,7 @@ from shared.schema import (
     SessionBinding,
     WorkerInfo,
 )
+from shared.tasks import cancel_and_wait
 from shared.telemetry import tracer
 
 log = logging.getLogger("infermesh.router")
@@ -91,9 +92,7 @@ class RouterService:
     async def stop(self) -> None:
         for sub in self._subs:
             await sub.unsubscribe()  # type: ignore[attr-defined]
-        for task in self._syncs.values():
-            task.cancel()
-        await asyncio.gather(*self._syncs.values(), return_exceptions=True)
+        await cancel_and_wait(*self._syncs.values())
         await self.directory.stop()
         await self.breakers.stop()
 

@@ -35,6 +35,7 @@ from shared.edges import EdgeDirectory
 from shared.liveness import ping_edge
 from shared.orphans import OrphanPublisher, ensure_orphans_stream
 from shared.schema import FinishReason, GenerateRequest, OrphanUsage
+from shared.tasks import cancel_and_wait
 
 log = logging.getLogger("infermesh.worker")
 
@@ -61,6 +62,10 @@ class OrphanTracker:
         self._requests.setdefault(edge_id, set()).add(request_id)
         if edge_id not in self.live and edge_id not in self._probe_at and edge_id not in self._abandoned:
             self._probe_at[edge_id] = now + self.grace_s
+
+    def running_by_edge(self) -> dict[str, int]:
+        """How many requests of each edge run here."""
+        return {edge_id: len(requests) for edge_id, requests in self._requests.items() if requests}
 
     def untrack(self, request_id: str) -> None:
         edge_id = self._edge_of.pop(request_id, None)
@@ -175,9 +180,7 @@ class OrphanReaper:
         self._sweeper = asyncio.create_task(self._sweep(), name="orphan-sweep")
 
     async def stop(self) -> None:
-        for task in [*self._tasks, *([self._sweeper] if self._sweeper else [])]:
-            task.cancel()
-        await asyncio.gather(*self._tasks, *([self._sweeper] if self._sweeper else []), return_exceptions=True)
+        await cancel_and_wait(*self._tasks, self._sweeper)
         await self.directory.stop()
 
     def track(self, request_id: str, reply_subject: str) -> None:

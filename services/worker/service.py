@@ -45,6 +45,7 @@ from shared.schema import (
     LoadSnapshot,
     WorkerInfo,
 )
+from shared.tasks import cancel_and_wait
 from shared.telemetry import tracer
 
 log = logging.getLogger("infermesh.worker")
@@ -101,19 +102,13 @@ class WorkerService:
 
     async def stop(self) -> None:
         if self._keeper is not None:  # first: a stop is no death, and never restarts the engine
-            self._keeper.cancel()
-            await asyncio.gather(self._keeper, return_exceptions=True)
+            await cancel_and_wait(self._keeper)
         for sub in [*self._subs, *([self._generate_sub] if self._generate_sub else [])]:
             await sub.unsubscribe()  # type: ignore[attr-defined]
         if self._registration:
             await self._registration.stop()
         await self.orphans.stop()
-        for task in list(self._tasks.values()):
-            task.cancel()
-        background = [*self._background, *([self._kv_task] if self._kv_task else [])]
-        for task in background:
-            task.cancel()
-        await asyncio.gather(*self._tasks.values(), *background, return_exceptions=True)
+        await cancel_and_wait(*self._tasks.values(), *self._background, self._kv_task)
         await self.engine.stop()
 
     # ------------------------------------------------------------ an engine that dies is replaced
@@ -161,15 +156,12 @@ class WorkerService:
         for stream in list(self._streams.values()):
             if not stream.closed:
                 await stream.error("worker_unavailable", message)
-        for task in list(self._tasks.values()):
-            task.cancel()
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        await cancel_and_wait(*self._tasks.values())
         if self._registration is not None:
             await self._registration.stop()  # routers drop it, edges and breakers see it leave
             self._registration = None
         if self._kv_task is not None:
-            self._kv_task.cancel()
-            await asyncio.gather(self._kv_task, return_exceptions=True)
+            await cancel_and_wait(self._kv_task)
             self._kv_task = None
 
     async def _restart(self, next_start: float | None) -> bool:

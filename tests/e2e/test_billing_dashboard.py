@@ -6,15 +6,17 @@ Set INFERMESH_SAVE_SCREENSHOT=1 to save the rendered page to docs/results/billin
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import os
 import threading
 from pathlib import Path
 
 import pytest
-from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+from sqlalchemy import update
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 
 from services.metering.billing_api import create_billing_app
-from services.metering.models import Base
+from services.metering.models import Base, BatchJob, Usage, UsageDaily
 from shared.ports import free_port, wait_for_port
 from tests.unit.test_billing_queries import KEYS, seed_ledger
 
@@ -23,6 +25,15 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "results" / "billing_dashboard" / "dashboard.png"
 OCTOBER = "month=2026-10&start=2026-10-01&end=2026-10-31"
+UTC = dt.timezone.utc
+# Batch lines among the seeded acme rows (day, model, key prefix) -> (batch_requests, batch_cost_nano): inside the
+# totals, so every total on the page stays as seeded; only the interactive / batch split is new.
+BATCH_DAILY = {(dt.date(2026, 10, 1), "llama-8b", "im-acmeapp"): (2, 234_567_891),
+               (dt.date(2026, 10, 5), "qwen-7b", "im-acmeapp"): (4, 50_000_000)}
+# id, team, status, total, completed, failed, created_at
+BATCH_JOBS = [("batch_acme_old", "acme", "completed", 4, 4, 0, dt.datetime(2026, 10, 1, 8, 0, tzinfo=UTC)),
+              ("batch_acme_new", "acme", "in_progress", 10, 6, 1, dt.datetime(2026, 10, 2, 11, 30, tzinfo=UTC)),
+              ("batch_globex", "globex", "completed", 9, 9, 0, dt.datetime(2026, 10, 3, 7, 0, tzinfo=UTC))]
 
 # Justified skip: the browser is a system package (scripts/test installs it with apt-get); on a machine where that
 # install was impossible (no root, no apt) the JSON API is still covered by tests/integration/test_billing_api.py.
@@ -65,6 +76,19 @@ class BillingServer:
         return f"http://127.0.0.1:{self.port}{path}"
 
 
+async def seed_batches(session: AsyncSession) -> None:
+    """Mark some of acme's seeded usage as batch lines (req-a3 is a line of batch_acme_new) and add the jobs."""
+    for (day, model, prefix), (requests, cost) in BATCH_DAILY.items():
+        await session.execute(update(UsageDaily).where(UsageDaily.team == "acme", UsageDaily.day == day,
+                                                       UsageDaily.model == model, UsageDaily.key_prefix == prefix)
+                              .values(batch_requests=requests, batch_cost_nano=cost))
+    await session.execute(update(Usage).where(Usage.request_id == "req-a3").values(batch_id="batch_acme_new"))
+    session.add_all([BatchJob(id=job_id, team=team, endpoint="/v1/chat/completions", input_file_id=f"file-{job_id}",
+                              status=status, total=total, completed=completed, failed=failed, created_at=created)
+                     for job_id, team, status, total, completed, failed, created in BATCH_JOBS])
+    await session.commit()
+
+
 @pytest.fixture(scope="module")
 async def server(tmp_path_factory):
     db_url = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('billing') / 'ledger.db'}"
@@ -73,6 +97,7 @@ async def server(tmp_path_factory):
         await conn.run_sync(Base.metadata.create_all)
     async with async_sessionmaker(engine)() as session:
         await seed_ledger(session)
+        await seed_batches(session)
     await engine.dispose()
     with BillingServer(db_url) as running:
         yield running
@@ -139,8 +164,9 @@ def test_dashboard_shows_the_seeded_month(server, browser):
                                                g.find_elements(By.TAG_NAME, "rect")]) for g in groups] == [
             ("2026-10-01", ["llama-8b", "qwen-7b"]), ("2026-10-02", ["llama-8b"]),
             ("2026-10-05", ["llama-8b", "qwen-7b"])]
-    assert [r[:2] + r[5:] for r in rows_of(browser, "model-table")] == [
-        ["llama-8b", "15", "$1.534568", "$0.161111"], ["qwen-7b", "9", "$0.143765", "$0.022222"]]
+    assert [r[:2] + r[5:] for r in rows_of(browser, "model-table")] == [  # cost, interactive, batch, saved
+        ["llama-8b", "15", "$1.534568", "$1.300001", "$0.234568", "$0.161111"],
+        ["qwen-7b", "9", "$0.143765", "$0.093765", "$0.050000", "$0.022222"]]
     assert rows_of(browser, "keys-table") == [["im-acmeapp", "acme app", "18", "42,100", "$1.333333"],
                                               ["im-acmeadm", "acme admin", "6", "14,000", "$0.345001"]]
     assert [(r[1], r[2], r[6], r[7]) for r in rows_of(browser, "usage-table")] == [
@@ -155,6 +181,25 @@ def test_dashboard_shows_the_seeded_month(server, browser):
             browser.set_window_size(1280, 2000)
 
 
+def test_batch_spend_and_jobs_show_apart_from_interactive(server, browser):
+    state = open_dashboard(browser, server.url(f"/dashboard/acme?{OCTOBER}#key={KEYS['acme_admin']}"))
+    assert state == "loaded", text_of(browser, "error")
+    shown = {i: text_of(browser, i) for i in ("total-cost", "interactive-cost", "interactive-requests",
+                                              "batch-cost", "batch-requests")}
+    # $1.678333828 in all: $0.284567891 of batch lines (6 of the 24 requests), the rest interactive
+    assert shown == {"total-cost": "$1.678334", "interactive-cost": "$1.393766", "interactive-requests": "18 requests",
+                     "batch-cost": "$0.284568", "batch-requests": "6 batch lines"}
+    assert rows_of(browser, "jobs-table") == [  # newest first; progress is completed + failed of the total
+        ["batch_acme_new", "in_progress", "7 / 10", "1", "2026-10-02 11:30:00"],
+        ["batch_acme_old", "completed", "4 / 4", "0", "2026-10-01 08:00:00"]]
+    assert [(r[1], r[10]) for r in rows_of(browser, "usage-table")] == [
+        ("req-a2", ""), ("req-a2", ""), ("req-a3", "batch_acme_new"), ("req-a1", "")]
+    assert "batch_globex" not in browser.page_source
+    # the jobs come from the one jobs endpoint, next to the page's other calls
+    source = browser.execute_script("return document.scripts[0].textContent")
+    assert 'call(key, "jobs", {})' in source
+
+
 def test_another_teams_page_shows_403_and_none_of_its_numbers(server, browser):
     state = open_dashboard(browser, server.url(f"/dashboard/globex?{OCTOBER}#key={KEYS['acme_admin']}"))
     assert state == "error"
@@ -164,6 +209,7 @@ def test_another_teams_page_shows_403_and_none_of_its_numbers(server, browser):
     assert text_of(browser, "total-cost") == "" and text_of(browser, "requests") == ""
     source = browser.page_source
     assert "99.777" not in source and "$99" not in source and "im-globadm" not in source
+    assert "batch_globex" not in source and not rows_of(browser, "jobs-table")
 
 
 def test_bad_key_shows_401_and_the_form_then_the_form_loads(server, browser):

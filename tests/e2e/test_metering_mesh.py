@@ -130,6 +130,9 @@ def check_ledger(seen: list[Seen], rows: dict[str, Usage], team: str) -> None:
             assert (row.prompt_tokens, row.cached_tokens, row.completion_tokens) == (
                 s.usage["prompt_tokens"], s.usage["prompt_tokens_details"]["cached_tokens"],
                 s.usage["completion_tokens"]), s
+        elif row.status == "finished":  # the client left after two chunks, but the whole answer (12 tokens at
+            # 2 ms each) had reached the edge first: all of it was generated, so all of it is billed
+            assert (row.finish_reason, row.completion_tokens) == ("length", MAX_TOKENS), (s, row)
         else:  # cancelled after two chunks: what the engine generated before the abort landed
             assert row.status == "cancelled" and s.chunks <= row.completion_tokens <= MAX_TOKENS, (s, row)
         assert row.cost_nano == PRICE.cost_nano(row.prompt_tokens, row.cached_tokens, row.completion_tokens)

@@ -59,7 +59,8 @@ def _prompt(seed: int, length: int) -> list[int]:
 
 
 async def _load(bus: Bus, worker_id: str) -> LoadSnapshot:
-    return await bus.request(bus.subjects.worker_load(worker_id), LoadRequest(), LoadSnapshot)
+    # counters, not a latency: a worker whose loop an engine step holds for a while still answers in time
+    return await bus.request(bus.subjects.worker_load(worker_id), LoadRequest(), LoadSnapshot, timeout=30)
 
 
 async def _generate(bus: Bus, worker_id: str, request: GenerateRequest) -> tuple[list[int], StreamEnd]:

@@ -4,6 +4,7 @@ core), driven by the official openai SDK: serving, usage, KV events, and KV-awar
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -17,6 +18,7 @@ from shared.bus import Bus
 from shared.prefix_hash import prompt_hashes
 from shared.schema import BlockStored, KvEventBatch, LoadRequest, LoadSnapshot
 from tests.e2e.mesh_process import tiny_vllm_mesh
+from tests.e2e.test_locked_mesh import batch_round_trip
 from tests.utils import eventually
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
@@ -212,3 +214,16 @@ async def test_a_router_that_loses_a_vllm_kv_batch_replays_it(mesh, nats_url, to
     finally:
         await router.stop()
         await bus.close()
+
+
+def test_a_small_batch_runs_on_vllm(mesh):
+    """Three lines through /v1/files and /v1/batches on the vLLM engines (issue 17): completed, each line's answer a
+    real chat completion with its usage."""
+    client = openai.OpenAI(base_url=mesh["base_url"], api_key=mesh["key"], max_retries=0)
+    batch = batch_round_trip(client, timeout_s=120)
+    assert batch.status == "completed" and batch.request_counts.completed == 3 and batch.error_file_id is None
+    output = [json.loads(line) for line in client.files.content(batch.output_file_id).read().splitlines()]
+    assert sorted(o["custom_id"] for o in output) == ["c0", "c1", "c2"]
+    for line in output:
+        body = line["response"]["body"]
+        assert body["object"] == "chat.completion" and 0 < body["usage"]["completion_tokens"] <= 3

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from infermesh.local import LocalMesh
+from tests.utils import eventually
 
 pytestmark = [pytest.mark.integration]
 KEY = "limits-key"
@@ -100,6 +101,22 @@ async def test_headers_that_never_end_are_408_and_closed(edge):
 async def test_an_idle_connection_is_closed_at_the_header_deadline(edge):
     status, _, _, took = await exchange(edge.port)  # connects, sends nothing
     assert status == 408 and 0.5 <= took < 2
+
+
+async def test_headers_sent_across_a_stall_of_the_edges_loop_are_served_not_408(edge):
+    """The loop (the edge's and this client's) stalls past the 0.5 s header deadline right after the
+    connection is accepted; the headers written as it resumes come due with the deadline: they are read."""
+    connections = edge._server.server_state.connections
+    reader, writer = await asyncio.open_connection("127.0.0.1", edge.port)
+    try:
+        await eventually(lambda: len(connections) == 1, 5, 0.001)  # accepted: its header deadline runs
+        time.sleep(1.5)  # the whole loop held up (a GC pause, a starved host)
+        await asyncio.sleep(0)  # resume in the turn in which the deadline is due too
+        writer.write(b"GET /health HTTP/1.1\r\nHost: edge\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    finally:
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 200"), head
 
 
 async def test_headers_over_the_cap_are_431(edge):

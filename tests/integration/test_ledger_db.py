@@ -28,7 +28,7 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 UTC = dt.timezone.utc
-LEDGER_TABLES = {"teams", "api_keys", "models", "prices", "usage", "usage_daily", "budgets"}
+LEDGER_TABLES = {"teams", "api_keys", "models", "prices", "usage", "usage_daily", "budgets", "batch_jobs"}
 
 
 @pytest.fixture
@@ -341,12 +341,12 @@ def test_cli_prices_and_budgets(tmp_path):
     assert _cli(tmp_path, "prices", "set", "--model", "m", "--input", "2.5", "--cached-input", "0.25", "--output",
                 "10", "--effective-from", "2024-06-01T00:00:00+00:00").returncode == 0
     assert _cli(tmp_path, "prices", "set", "--model", "m", "--input", "9", "--cached-input", "9", "--output",
-                "9", "--effective-from", "2999-01-01").returncode == 0
+                "9", "--effective-from", "2999-01-01", "--batch-percent", "40").returncode == 0
     listed = [line.split() for line in _cli(tmp_path, "prices", "list").stdout.splitlines()]
-    assert listed == [["MODEL", "FROM", "INPUT", "CACHED_INPUT", "OUTPUT", "NOW"],
-                      ["m", "2024-01-01T00:00:00Z", "1", "0.1", "4"],
-                      ["m", "2024-06-01T00:00:00Z", "2.5", "0.25", "10", "*"],
-                      ["m", "2999-01-01T00:00:00Z", "9", "9", "9"]]
+    assert listed == [["MODEL", "FROM", "INPUT", "CACHED_INPUT", "OUTPUT", "BATCH", "NOW"],
+                      ["m", "2024-01-01T00:00:00Z", "1", "0.1", "4", "50%"],
+                      ["m", "2024-06-01T00:00:00Z", "2.5", "0.25", "10", "50%", "*"],
+                      ["m", "2999-01-01T00:00:00Z", "9", "9", "9", "40%"]]
     assert _cli(tmp_path, "teams", "create", "acme").returncode == 0
     assert _cli(tmp_path, "budgets", "set", "--team", "acme", "--usd", "12.5").returncode == 0
     assert _cli(tmp_path, "budgets", "set", "--team", "acme", "--usd", "3", "--month", "2025-02").returncode == 0

@@ -174,3 +174,45 @@ async def test_an_old_ledger_gets_the_columns_on_start_and_keeps_its_rows(old_le
     finally:
         await engine.dispose()
 
+
+
+# ---------------------------------------------------------------- revision 0004: the serving deployment
+@pytest.fixture(params=["postgres", "sqlite"])
+async def ledger_at_0003_url(request):
+    """A ledger at revision 0003 (before the deployment column) holding one row."""
+    try:
+        url, drop = await fresh_database(request.param)
+    except OSError as exc:  # justified: only a developer box without Postgres lands here; CI's machine has one
+        pytest.skip(f"no {request.param} server to test on: {exc}")
+    try:
+        await asyncio.to_thread(command.upgrade, alembic_config(url), "0003")
+        engine = create_engine(url)
+        try:
+            async with engine.begin() as conn:
+                await conn.execute(text(_OLD_USAGE), {"request_id": "req-old", "cost": CLIENT_COST, "seq": 1,
+                                                      "created_at": dt.datetime.fromtimestamp(OCTOBER_5, UTC)})
+        finally:
+            await engine.dispose()
+        yield url
+    finally:
+        await drop()
+
+
+async def test_the_deployment_that_served_is_in_the_row_and_old_rows_read_as_unknown(ledger_at_0003_url):
+    await migrate(ledger_at_0003_url)
+    engine = create_engine(ledger_at_0003_url)
+    try:
+        event = msgspec.structs.replace(migrated("req-east", OCTOBER_5), deployment="east")
+        assert (await write_usage(engine, [(2, event)], PriceBook([("m1", 0.0, PRICE)]))).inserted == 1
+        async with engine.begin() as conn:  # a replica on the previous release (no deployment column) writes on
+            await conn.execute(text(_OLD_USAGE), {"request_id": "req-older", "cost": CLIENT_COST, "seq": 3,
+                                                  "created_at": dt.datetime.fromtimestamp(OCTOBER_5, UTC)})
+        async with engine.connect() as conn:
+            rows = sorted((await conn.execute(select(Usage.request_id, Usage.deployment))).all())
+        assert rows == [("req-east", "east"), ("req-old", ""), ("req-older", "")]
+        async with async_sessionmaker(engine)() as session:
+            recent = await billing.recent_usage(session, "alpha")
+        assert {r["request_id"]: r["deployment"] for r in recent} == {"req-east": "east", "req-old": "",
+                                                                       "req-older": ""}
+    finally:
+        await engine.dispose()

@@ -192,7 +192,7 @@ def signed_report(request_id: str = "req1", **changes: object) -> OrphanUsage:
 
 async def start_biller(bus: Bus) -> OrphanBiller:
     await ensure_usage_stream(bus)
-    biller = OrphanBiller(bus, SECRET, UsagePublisher(bus), fetch_wait_s=0.2)
+    biller = OrphanBiller(bus, SECRET, UsagePublisher(bus), fetch_wait_s=0.2, deployment="east")
     await biller.start()
     return biller
 
@@ -240,5 +240,6 @@ async def test_reports_wait_for_an_edge_and_a_duplicate_or_the_edges_own_usage_b
         await sub.unsubscribe()
         assert [(e.request_id, e.status, e.completion_tokens) for e in events] == [
             ("req7", "finished", 50), ("req1", "cancelled", 50)]
+        assert events[1].deployment == "east"  # the biller's deployment: its workers served the request
     finally:
         await biller.stop()

@@ -26,12 +26,16 @@ def ask(book: Ledger, ticket: str, tokens: int, team: str = "a", klass: str = IN
     ([], 10, dict(max_concurrency=1), Grant),
     ([10], 10, dict(max_concurrency=1), Wait),  # the pool's concurrency, not its tokens
     ([100], 1, dict(max_queue=0), "queue_full"),
+    ([60], 40, dict(deadline=0.0), Grant),  # fits now: a request that will not wait is granted
+    ([60], 41, dict(deadline=0.0), "queue_timeout"),  # no room now and it will not wait: answered at once
 ])
 def test_acquire_grants_queues_or_rejects(held, request_tokens, kwargs, outcome):
+    deadline = kwargs.pop("deadline", 30.0)
     book = ledger(**kwargs)
     for i, tokens in enumerate(held):
         assert isinstance(ask(book, f"h{i}", tokens), Grant)
-    result = ask(book, "new", request_tokens)
+    result = ask(book, "new", request_tokens, deadline=deadline)
+    assert not isinstance(result, Reject) or not book.waiters  # a rejected request is never left queued
     if isinstance(outcome, str):
         assert isinstance(result, Reject) and result.code == outcome
     else:

@@ -8,7 +8,7 @@ import stat
 import pytest
 
 from infermesh.bus_auth import SECRETS_FILE, admin_credentials, load_or_create_secrets, server_config, tls_files
-from infermesh.bus_roles import SERVICE_ROLES, Role, buckets, permissions
+from infermesh.bus_roles import SERVICE_ROLES, Role, buckets, permissions, team_permissions
 from shared.config import BusConfig, load_config
 from shared.nats_auth import NatsCredentials
 from shared.subjects import Subjects
@@ -86,9 +86,48 @@ def test_every_role_reads_replies_only_on_its_own_inbox_and_answers_only_when_it
         inboxes = [s for s in p.subscribe if s.startswith("_INBOX")]
         assert inboxes == [f"_INBOX.{role}.>"]
         assert not any(s.startswith("_INBOX") for s in p.publish)
-    assert {r for r, p in ALL.items() if p.responds} == {Role.EDGE, Role.ROUTER, Role.ADMISSION, Role.WORKER}
+    assert {r for r, p in ALL.items() if p.responds} == {Role.EDGE, Role.ROUTER, Role.ADMISSION, Role.WORKER,
+                                                         Role.BATCH}
     assert set(SERVICE_ROLES.values()) == set(Role) - {Role.ADMIN}
     assert len(buckets(S)) == len(set(buckets(S)))
+
+
+KAPPA = team_permissions("kappa", S)
+
+
+def team_may(check: str, subject: str) -> bool:
+    allow, deny = (KAPPA.publish, KAPPA.deny_publish) if check == "pub" else (KAPPA.subscribe, KAPPA.deny_subscribe)
+    return any(_matches(a, subject) for a in allow) and not any(_matches(d, subject) for d in deny)
+
+
+@pytest.mark.parametrize("check, subject, allowed", [
+    ("pub", "im.batch.submit.kappa", True),
+    ("pub", "im.batch.submit.lambda", False),  # another team's jobs: billed to it
+    ("pub", "$JS.API.CONSUMER.CREATE.im_batch_events.c1.im.batch.events.kappa.batch_1", True),
+    ("pub", "$JS.API.CONSUMER.CREATE.im_batch_results.c1.im.batch.results.kappa.batch_1", True),
+    ("pub", "$JS.API.CONSUMER.CREATE.im_batch_events.c1.im.batch.events.lambda.batch_1", False),
+    ("pub", "$JS.API.CONSUMER.CREATE.im_batch_results.c1.im.batch.results.*.>", False),
+    ("pub", "$JS.API.CONSUMER.CREATE.im_batch_results", False),  # legacy: its filter is in the body
+    ("pub", "$JS.API.CONSUMER.CREATE.im_batch_results.c1", False),  # a name and no filter: every subject
+    ("pub", "$JS.API.DIRECT.GET.im_batch_events.im.batch.events.kappa.batch_1", True),
+    ("pub", "$JS.API.DIRECT.GET.im_batch_events.im.batch.events.lambda.batch_1", False),
+    ("pub", "$JS.API.DIRECT.GET.im_batch_events", False),  # by sequence: any team's
+    ("pub", "$JS.API.STREAM.MSG.GET.im_batch_results", False),
+    ("pub", "$JS.API.STREAM.INFO.im_batch_results", False),  # a subjects filter would list other teams' jobs
+    ("pub", "im.batch.results.kappa.batch_1", False),  # forging its own results or events
+    ("pub", "im.batch.events.kappa.batch_1", False),
+    ("pub", "im.batch.line", False),
+    ("pub", "im.usage", False),
+    ("pub", "$KV.im_api_keys.x", False),
+    ("sub", "_INBOX.team-kappa.abc", True),
+    ("sub", "_INBOX.team-lambda.abc", False),
+    ("sub", "_INBOX.batch.abc", False),
+    ("sub", "im.batch.results.kappa.batch_1", False),  # through its own consumers only
+    ("sub", "im.stream.e1.r1", False),
+])
+def test_a_team_user_reaches_its_own_batch_jobs_only(check, subject, allowed):
+    assert team_may(check, subject) is allowed
+    assert not KAPPA.responds
 
 
 def test_credentials_travel_in_env_vars_that_the_service_configs_read():

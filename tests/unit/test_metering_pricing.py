@@ -85,3 +85,55 @@ def test_lag_window_quantiles_forget_old_samples():
     text = prometheus_text({"inserted": 7}, q, pending=3, db_up=False)
     assert 'infermesh_metering_usage_total{result="inserted"} 7' in text
     assert "infermesh_metering_consumer_pending 3" in text and "infermesh_metering_database_up 0" in text
+
+
+# ---------------------------------------------------------------- batch lines (issue 17)
+
+def test_a_batch_line_costs_half_by_default_rounded_once_after_the_discount():
+    assert OLD.batch_percent == 50
+    assert OLD.cost_nano(1_000_000, 0, 0, batch=True) == 500_000_000  # 1M input tokens at $1, halved
+    assert OLD.cost_nano(10, 4, 3, batch=True) == OLD.cost_nano(10, 4, 3) // 2 == 7_000
+    # one token at 999 micro-USD per 1M is 999 pico-USD: 1 nano interactive, 499.5 pico (0 nano) in a batch;
+    # at 1,000 it is 500 pico in a batch, which rounds half up to 1 nano: the discount is applied before rounding
+    assert ModelPrice(999, 0, 0).cost_nano(1, 0, 0) == 1 and ModelPrice(999, 0, 0).cost_nano(1, 0, 0, batch=True) == 0
+    assert ModelPrice(1_000, 0, 0).cost_nano(1, 0, 0, batch=True) == 1  # 500 pico: half up
+
+
+def test_the_batch_percentage_is_per_price_and_exact():
+    quarter = ModelPrice(1_000_000, 500_000, 2_000_000, batch_percent=25)
+    assert quarter.cost_nano(4_000, 0, 0, batch=True) == 1_000_000  # $1 per 1M: 4,000 tokens are $0.004; 25% of it
+    full = ModelPrice(1_000_000, 0, 0, 100)
+    assert full.cost_nano(7, 0, 0, batch=True) == full.cost_nano(7, 0, 0) == 7_000
+    assert ModelPrice(1_000_000, 0, 0, 0).cost_nano(7, 0, 5, batch=True) == 0
+    book = PriceBook([("m", 0.0, quarter)])
+    assert book.cost_nano("m", 1.0, 4_000, 0, 0, batch=True) == 1_000_000
+    assert book.cost_nano("m", 1.0, 4_000, 0, 0) == 4_000_000
+    assert book.savings_nano("m", 1.0, 1_000, batch=True) == 125_000  # 1,000 cached tokens x $0.5 per 1M saved, 25%
+    assert book.cost_nano("unpriced", 1.0, 10, 0, 10, batch=True) == 0
+
+
+def test_a_price_without_a_batch_percentage_decodes_as_half_and_a_bad_one_fails():
+    old_wire = msgspec.msgpack.encode({"input_micros": 1, "cached_input_micros": 1, "output_micros": 1})
+    assert msgspec.msgpack.decode(old_wire, type=ModelPrice).batch_percent == 50  # a publisher before issue 17
+    bad = msgspec.msgpack.encode({"input_micros": 1, "cached_input_micros": 1, "output_micros": 1,
+                                  "batch_percent": 101})
+    try:
+        msgspec.msgpack.decode(bad, type=ModelPrice)
+    except msgspec.ValidationError:
+        pass
+    else:
+        raise AssertionError("a batch percentage over 100 decoded")
+
+
+def test_daily_sums_count_batch_lines_apart_within_the_totals():
+    book = PriceBook([("m", 0.0, OLD)])
+    at = dt.datetime(2026, 11, 29, 12, tzinfo=dt.timezone.utc).timestamp()
+    line = msgspec.structs.replace(event("a", "m", at), batch_id="batch_1")
+    rows = [usage_row(1, line, book), usage_row(2, event("b", "m", at), book)]
+    assert rows[0]["batch_id"] == "batch_1" and rows[1]["batch_id"] == ""
+    assert rows[0]["cost_nano"] == OLD.cost_nano(100, 40, 10, batch=True) == OLD.cost_nano(100, 40, 10) // 2
+    (total,) = daily_sums(rows, book)
+    assert (total["requests"], total["batch_requests"]) == (2, 1)
+    assert total["cost_nano"] == rows[0]["cost_nano"] + rows[1]["cost_nano"]
+    assert total["batch_cost_nano"] == rows[0]["cost_nano"]
+    assert total["savings_nano"] == book.savings_nano("m", at, 40) + book.savings_nano("m", at, 40, batch=True)

@@ -35,6 +35,7 @@ from services.worker.engines.cost_model import CostModel, load_profile
 from services.worker.engines.scheduler import SimRequest
 from services.worker.engines.sim_worker import SimWorker, SimWorkerConfig, draw_token, token_rng
 from shared.schema import KvEvent, KvTransfer, SamplingParams
+from shared.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from services.worker.engines.grammar import ConstrainedDecoder, GrammarCache
@@ -147,8 +148,7 @@ class SimEngine(Engine):
 
     async def stop(self) -> None:
         if self._runner is not None:
-            self._runner.cancel()
-            await asyncio.gather(self._runner, return_exceptions=True)
+            await cancel_and_wait(self._runner)
         for rid in list(self._streams):
             await self.abort(rid)
 

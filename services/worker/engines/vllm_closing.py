@@ -47,6 +47,23 @@ Budget-aware closing (this module's logits processor)
     ``{"type": "object"}``), not with GrammarCache's defaults. The engine pins ``backend="xgrammar"``
     so that vLLM never falls back to guidance/outlines, whose grammars we could not mirror.
 
+Resumed requests (migration: grammar replay)
+    A request the edge migrates arrives with its earlier tokens (``output_token_ids``) appended to the prompt.
+    vLLM's matcher cannot start mid-structure, so such a request goes to vLLM *without*
+    ``structured_outputs``; ``closing_extra_args(..., resumed_token_ids)`` hands the earlier tokens to this
+    processor instead. ``_build_row`` replays them into the row's fresh decoder (``_replay``), and at every
+    step ``_apply_row`` applies the matcher's full bitmask itself (``fill_next_token_bitmask`` +
+    ``apply_token_bitmask_inplace``: exactly the mask vLLM's backend would apply, before the decoder's own
+    additions, so the rest is the undisturbed stream's), then the special-token ban and budget closing as
+    for any request. The matcher's stop tokens are vLLM's (eos + stop_token_ids): a finished structure
+    allows only them, and the request ends ``stop``. ``max_tokens`` is the reduced budget, so closing's
+    ``remaining`` is what it was in the undisturbed stream. Replayed tokens the grammar refuses raise
+    ``ReplayRejected`` at build (reported on the hook socket; the engine fails the request with
+    EngineRequestError "a resumed stream's tokens do not fit its grammar"). A resumed row whose state is lost
+    (a -1 placeholder in apply, or a token the decoder refused) fails its request rather than sampling
+    unconstrained. Without this processor registered (``budget_closing=False``) the engine refuses to resume
+    a stream under a grammar.
+
 Measured on the tiny random model (tests/e2e/test_vllm_structured.py): the processor stays in step
 (its forced tokens are exactly what vLLM emitted), greedy and seeded runs repeat token for token, and
 a hermes tool call at max_tokens 96 is cut 24/24 times without closing, 0/24 with close_within 48.
@@ -83,9 +100,10 @@ import logging
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
+import xgrammar as xgr
 from vllm.sampling_params import SamplingParams as VllmSampling, StructuredOutputsParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
@@ -99,6 +117,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("infermesh.worker.vllm.closing")
 
 EXTRA_KEY = "infermesh_closing"  # SamplingParams.extra_args key carrying the request's Structured
+RESUMED_KEY = "resumed_token_ids"  # in extra_args[EXTRA_KEY]: a resumed request's earlier tokens (replayed)
 _KINDS = ("structural_tag", "json_schema", "json_object")
 
 
@@ -114,12 +133,22 @@ def structured_outputs_params(structured: Structured) -> StructuredOutputsParams
     raise ValueError(f"unknown structured kind {structured.kind!r}")
 
 
-def closing_extra_args(structured: Structured, request_id: str = "") -> dict[str, Any] | None:
+def closing_extra_args(structured: Structured, request_id: str = "",
+                       resumed_token_ids: Sequence[int] = ()) -> dict[str, Any] | None:
     """extra_args that hand the request's grammar to the processor: it bans special tokens under every
     grammar, and closes budget-aware when close_within > 0. ``request_id`` names the request in fault
-    reports (hook_faults.py)."""
-    return {EXTRA_KEY: {"kind": structured.kind, "spec": structured.spec, "close_within": structured.close_within,
-                        "request_id": request_id}}
+    reports (hook_faults.py). ``resumed_token_ids`` (a migrated request: the tokens generated before, now
+    part of the prompt) makes the processor replay them and apply the grammar's mask itself; the request
+    then goes to vLLM without ``structured_outputs`` (see "Resumed requests")."""
+    spec: dict[str, Any] = {"kind": structured.kind, "spec": structured.spec, "close_within": structured.close_within,
+                            "request_id": request_id}
+    if resumed_token_ids:
+        spec[RESUMED_KEY] = [int(t) for t in resumed_token_ids]
+    return {EXTRA_KEY: spec}
+
+
+class ReplayRejected(ValueError):
+    """The grammar does not accept a resumed request's earlier tokens (the worker fails the request)."""
 
 
 @dataclass(slots=True)
@@ -135,6 +164,8 @@ class _Row:
     forced: int = field(default=0)  # how many tokens we forced (for logs/debugging)
     stage: str = "sync"  # the hook stage running (named in a fault report)
     raw_text: bool = False  # the grammar has raw text (glm's <arg_value>): kept valid UTF-8 at every step
+    own_mask: bool = False  # a resumed request: vLLM has no grammar for it, we apply the grammar's mask
+    grammar_bits: Any = None  # own_mask: the matcher's bitmask (what vLLM's backend would apply), reused
 
     def sync(self) -> bool:
         """Feed the decoder the tokens vLLM sampled since the last step; False while a -1 placeholder
@@ -170,7 +201,14 @@ class BudgetClosingLogitsProcessor(LogitsProcessor):
                 or not isinstance(spec.get("close_within"), int) or spec["close_within"] < 0 \
                 or not isinstance(spec.get("request_id", ""), str):
             raise ValueError(f"extra_args[{EXTRA_KEY!r}] must be {{kind, spec, close_within, request_id}}")
-        if sampling_params.structured_outputs is None:
+        resumed = spec.get(RESUMED_KEY)
+        if resumed is not None:
+            if not isinstance(resumed, list) or not resumed or not all(isinstance(t, int) for t in resumed):
+                raise ValueError(f"extra_args[{EXTRA_KEY!r}][{RESUMED_KEY!r}] must be a non-empty list of token ids")
+            if sampling_params.structured_outputs is not None:  # vLLM's matcher would start from the start
+                raise ValueError(f"a resumed request (extra_args[{EXTRA_KEY!r}][{RESUMED_KEY!r}]) takes no "
+                                 "structured_outputs: the processor applies the grammar")
+        elif sampling_params.structured_outputs is None:
             raise ValueError(f"extra_args[{EXTRA_KEY!r}] needs structured_outputs (the same grammar)")
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
@@ -234,8 +272,13 @@ class BudgetClosingLogitsProcessor(LogitsProcessor):
         decoder = ConstrainedDecoder(self._compile(structured), max_tokens, structured.close_within,
                                      sorted(params.all_stop_token_ids), vocab=self._cache.vocab,
                                      banned_token_ids=self._cache.special_token_ids)
+        resumed = spec.get(RESUMED_KEY)
+        if resumed:
+            _replay(decoder, resumed)
         return _Row(decoder, output_ids, max_tokens, request_id, structured.spec,
-                    raw_text=structured.kind == "structural_tag" and "glm_xml" in structured.spec)
+                    raw_text=structured.kind == "structural_tag" and "glm_xml" in structured.spec,
+                    own_mask=bool(resumed),
+                    grammar_bits=xgr.allocate_token_bitmask(1, self._cache.vocab_size) if resumed else None)
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         # No syncing here: with async scheduling the lists still end in a -1 placeholder (see above).
@@ -267,7 +310,14 @@ class BudgetClosingLogitsProcessor(LogitsProcessor):
         row.stage = "sync"
         hook_faults.injected(self._inject, "sync", row.spec)
         if row.dead or not row.sync() or decoder.is_terminated():
+            if row.own_mask and not decoder.is_terminated():  # no grammar would constrain this step
+                raise RuntimeError("the grammar state of a resumed request is lost (no mask to apply)")
             return
+        if row.own_mask:
+            row.stage = "mask"
+            hook_faults.injected(self._inject, "mask", row.spec)
+            decoder.matcher.fill_next_token_bitmask(row.grammar_bits)
+            xgr.apply_token_bitmask_inplace(logits[index:index + 1], row.grammar_bits.to(logits.device))
         remaining = row.max_tokens - row.num_accepted
         row.stage = "close"
         hook_faults.injected(self._inject, "close", row.spec)
@@ -326,6 +376,20 @@ class BudgetClosingLogitsProcessor(LogitsProcessor):
                      for keep, ids in token_lists(vocab.utf8_ok, vocab.vocab_size)]
             self._utf8_lists = (device, lists)
         return self._utf8_lists[1]
+
+
+def _replay(decoder: Any, token_ids: Sequence[int]) -> None:
+    """Feed a resumed request's earlier tokens to its fresh decoder (ReplayRejected if the grammar refuses one)."""
+    for position, token in enumerate(token_ids):
+        if decoder.is_terminated():
+            raise ReplayRejected(f"the grammar had ended before resumed token {position} of {len(token_ids)}")
+        try:
+            decoder.accept(token)
+        except ValueError:
+            raise ReplayRejected(f"resumed token {token} (at {position} of {len(token_ids)}) is not allowed by "
+                                 "the grammar") from None
+    if decoder.is_terminated():
+        raise ReplayRejected("the resumed tokens already end the grammar: nothing is left to generate")
 
 
 def _apply_mask(logits: torch.Tensor, index: int, bitmask: torch.Tensor) -> None:

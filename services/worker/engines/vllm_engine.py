@@ -10,6 +10,17 @@ structural_tag -> ``structural_tag=``; with ``close_within`` > 0 the request als
 budget-aware closing through ``extra_args`` (a custom logits processor). Details and the
 order of vLLM's grammar bitmask vs logits processors: ``vllm_closing``.
 
+Migration (``output_token_ids``: a request resumed on this engine after its worker died): the earlier
+tokens are appended to the prompt and recomputed; ``max_tokens`` is already reduced by the edge. Under a
+grammar the request gets no ``structured_outputs``: the closing processor replays the earlier tokens into
+its own matcher and applies the grammar's mask itself ("Resumed requests" in ``vllm_closing``); tokens the
+grammar refuses fail the request (EngineRequestError), and without the processor (``budget_closing=False``)
+such a request is refused. A seeded request's generator skips the draws of the earlier tokens
+(``vllm_plugin``: exact on vLLM CPU when no prefill was chunked; elsewhere it restarts from the seed).
+Greedy resumption is exact up to numerics: the recomputed KV is not bit-identical to the decoded one, so a
+near-tie can flip. In bfloat16 the tiny random model flipped one (cut 13 of
+test_a_resumed_request_at_temperature_0_makes_the_undisturbed_rest); in float32 (``dtype``) none did.
+
 Disaggregation (``kv_connector="nixl"``): vLLM's NixlConnector, one side channel per engine (``nixl_port``).
 A prefill (``remote_decode``) runs with ``kv_transfer_params={"do_remote_decode": true}``; vLLM keeps its
 blocks (a lease the decoder renews, 30 s without it) and its final output carries the handle, which travels
@@ -53,6 +64,7 @@ class VllmEngineConfig:
     max_model_len: int = 8192
     kv_cache_gib: float = 1.0
     kv_cache_dtype: str = "auto"
+    dtype: str = "auto"  # the weights' and activations' (auto: the checkpoint's; the tiny test model is bfloat16)
     cpu_core: int = -1
     enable_prefix_caching: bool = True
     kv_events: bool = True  # bridge vLLM's KV cache events (ZMQ) to the worker's kv_events()
@@ -102,6 +114,7 @@ class VllmEngine(Engine):
         self._fault_listener: Any = None  # hook_faults.FaultListener: our in-engine hooks' per-request failures
         self._hook_faults: dict[str, str] = {}  # request id -> why our hook failed it
         self._fault_aborts: set[asyncio.Task[None]] = set()
+        self._replay_rejected: set[str] = set()  # requests whose resumed tokens their grammar refused
 
     async def start(self) -> EngineSpec:
         c = self.config
@@ -124,7 +137,7 @@ class VllmEngine(Engine):
         args = AsyncEngineArgs(
             model=c.model_path, served_model_name=c.model, enforce_eager=True, max_model_len=c.max_model_len,
             block_size=c.block_size or None, enable_prefix_caching=c.enable_prefix_caching,
-            kv_cache_dtype=c.kv_cache_dtype, disable_log_stats=True, kv_events_config=kv_events_config,
+            kv_cache_dtype=c.kv_cache_dtype, dtype=c.dtype, disable_log_stats=True, kv_events_config=kv_events_config,
             # xgrammar only (auto would fall back to guidance/outlines, which the closing processor's
             # xgrammar matcher could not mirror): unsupported schemas are rejected per request
             structured_outputs_config=StructuredOutputsConfig(
@@ -218,7 +231,7 @@ class VllmEngine(Engine):
         return await self._core_watch.died()
 
     def _sampling(self, sampling: SamplingParams, kv_transfer_params: dict[str, Any] | None = None,
-                  request_id: str = "") -> Any:
+                  request_id: str = "", output_token_ids: Sequence[int] = ()) -> Any:
         from vllm import SamplingParams as VllmSampling
         from vllm.sampling_params import RequestOutputKind
 
@@ -226,8 +239,15 @@ class VllmEngine(Engine):
         if sampling.structured is not None:
             from services.worker.engines.vllm_closing import closing_extra_args, structured_outputs_params
 
-            structured_outputs = structured_outputs_params(sampling.structured)
-            extra_args = closing_extra_args(sampling.structured, request_id) if self.config.budget_closing else None
+            # resumed: no structured_outputs (vLLM's matcher cannot start mid-structure); the closing
+            # processor replays the earlier tokens and applies the grammar's mask itself
+            structured_outputs = None if output_token_ids else structured_outputs_params(sampling.structured)
+            extra_args = closing_extra_args(sampling.structured, request_id, output_token_ids) \
+                if self.config.budget_closing else None
+        if output_token_ids and sampling.seed is not None:
+            from services.worker.engines.vllm_plugin import SEED_DRAWS_KEY
+
+            extra_args = {**(extra_args or {}), SEED_DRAWS_KEY: len(output_token_ids)}
         if kv_transfer_params is not None:  # vLLM reads (and updates) it from extra_args
             extra_args = {**(extra_args or {}), "kv_transfer_params": kv_transfer_params}
         return VllmSampling(
@@ -247,9 +267,9 @@ class VllmEngine(Engine):
         from vllm.inputs import tokens_input
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        if output_token_ids and sampling.structured is not None:
-            raise EngineRequestError("a stream under a grammar cannot resume on the vLLM engine (its grammar state "
-                                     "cannot be replayed there): it is not migrated")
+        if output_token_ids and sampling.structured is not None and not self.config.budget_closing:
+            raise EngineRequestError("a stream under a grammar cannot resume on this vLLM engine: its grammar state "
+                                     "is replayed by the closing processor, which budget_closing=False leaves out")
         context = [*prompt_token_ids, *output_token_ids]  # a migrated request: its tokens so far, recomputed
         state = _Running(len(prompt_token_ids))
         self._running[request_id] = state
@@ -257,7 +277,8 @@ class VllmEngine(Engine):
         params = self._transfer_params(kv_transfer, remote_decode)
         try:
             stream = self._llm.generate(tokens_input(context, cache_salt=cache_salt),
-                                        self._sampling(sampling, params, request_id), request_id)
+                                        self._sampling(sampling, params, request_id, output_token_ids),
+                                        request_id)
             async for out in _rejections_as(stream, VLLMValidationError):
                 self._raise_if_hook_failed(request_id)
                 if out.num_cached_tokens:
@@ -287,13 +308,19 @@ class VllmEngine(Engine):
             self._running.pop(request_id, None)
             self._aborted.discard(request_id)
             self._hook_faults.pop(request_id, None)
+            self._replay_rejected.discard(request_id)
 
     def _on_hook_fault(self, fault: Any) -> None:
         """Our hook failed ``fault.request_id`` inside the engine (which serves on): abort it there; its
         ``generate`` raises EngineHookError at its next output or at its end."""
         if fault.request_id not in self._running or self._llm is None:
             return
-        self._hook_faults[fault.request_id] = fault.message()
+        if fault.error.startswith("ReplayRejected:"):  # vllm_closing: the request's own tokens, not our hook
+            self._hook_faults[fault.request_id] = ("a resumed stream's tokens do not fit its grammar "
+                                                   f"({fault.error.split(': ', 1)[1]}): it cannot resume")
+            self._replay_rejected.add(fault.request_id)
+        else:
+            self._hook_faults[fault.request_id] = fault.message()
         task = asyncio.ensure_future(self._llm.abort(fault.request_id))
         self._fault_aborts.add(task)
         task.add_done_callback(self._fault_aborts.discard)
@@ -304,6 +331,8 @@ class VllmEngine(Engine):
     def _raise_if_hook_failed(self, request_id: str) -> None:
         message = self._hook_faults.get(request_id)
         if message is not None:
+            if request_id in self._replay_rejected:
+                raise EngineRequestError(message)
             raise EngineHookError(message)
 
     def _transfer_params(self, kv_transfer: KvTransfer | None, remote_decode: bool) -> dict[str, Any] | None:

@@ -14,6 +14,19 @@ The fix: on the CPU platform a request's generator becomes a ``RewindlessGenerat
 input batch: the same state, an offset that reads 0 and ignores being set. The discarded draw is then
 not rewound, so a seeded request whose prefill was chunked draws differently from one whose prefill
 was not (the same request chunked the same way still repeats token for token).
+
+A resumed seeded request (migration: the earlier tokens come back as part of the prompt) draws as if it
+had not been interrupted. vLLM CPU's sampler (``TopKTopPSampler.forward_cpu``, the fused Gumbel-argmax
+path on x86/ARM with ``use_fp64_gumbel`` off) takes exactly one draw from a seeded request's generator
+per step it samples: ``torch.randint(0, 2**31, (1,), generator=gen)``, the seed of that step's noise. So
+the engine passes the number of tokens already generated in ``extra_args[SEED_DRAWS_KEY]`` and the
+generator, as it becomes rewindless, makes that many draws first (``advance``): the resumed request's
+first token uses the draw the undisturbed one's token N used. Exact when neither request's prefill was
+chunked; each chunked-prefill step takes one more draw (the discarded one above), so a resumed request
+whose prompt + earlier tokens span more than one step (``max_num_batched_tokens``, or a busy batch), or an
+original whose prompt did, draws from a shifted stream: still seeded, no longer the undisturbed rest.
+Other samplers (CUDA's Philox ``exponential_`` per vocab row, fp64 Gumbel, RISC-V/POWER's native path)
+are not advanced: a resumed seeded request there restarts its stream from the seed.
 """
 
 from __future__ import annotations
@@ -24,6 +37,8 @@ from typing import Any
 import torch
 
 log = logging.getLogger("infermesh.worker.vllm.plugin")
+
+SEED_DRAWS_KEY = "infermesh_seed_draws"  # SamplingParams.extra_args: draws a resumed request's generator skips
 
 
 class RewindlessGenerator(torch.Generator):
@@ -45,6 +60,19 @@ def rewindless(generator: torch.Generator) -> torch.Generator:
     return copy
 
 
+def advance(generator: torch.Generator, num_draws: int) -> None:
+    """Take ``num_draws`` draws as vLLM CPU's sampler takes one per step (``forward_cpu``)."""
+    for _ in range(num_draws):
+        torch.randint(0, 2**31, (1,), generator=generator, dtype=torch.long)
+
+
+def seed_draws(sampling_params: Any) -> int:
+    """How many draws a request's generator skips (0 unless the engine resumed it)."""
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    value = extra.get(SEED_DRAWS_KEY, 0)
+    return value if isinstance(value, int) and value > 0 else 0
+
+
 def register() -> None:
     from vllm.platforms import current_platform
 
@@ -60,8 +88,10 @@ def patch_input_batch() -> None:
         return
 
     def add_request(self: Any, request: Any) -> Any:
-        if request.generator is not None:
-            request.generator = rewindless(request.generator)
+        if request.generator is not None and not isinstance(request.generator, RewindlessGenerator):
+            request.generator = rewindless(request.generator)  # once: a preempted request comes back with it
+            if isinstance(request.generator, RewindlessGenerator):
+                advance(request.generator, seed_draws(request.sampling_params))
         return original(self, request)
 
     add_request._infermesh_rewindless = True  # type: ignore[attr-defined]

@@ -1,0 +1,263 @@
+"""Batch service: jobs from ``/v1/batches`` (through the edges) and from ``<ns>.batch.submit.<team>``, kept in the
+ledger database, run line by line on idle capacity (runner.py), billed once per line at the batch price.
+
+    edge --BatchApiRequest--> <ns>.batch.api.{create,retrieve,list,cancel} --> BatchApiReply
+    team --BatchSubmit (JSON, Nats-Msg-Id)--> <ns>.batch.submit.<team> (JetStream) --> a job, once
+    <ns>.batch.events.<team>.<job>   the job after each change (JSON BatchJobRecord; the stream keeps the last)
+    <ns>.batch.results.<team>.<job>  one BatchLineResult (JSON) per line
+
+One replica at a time runs jobs and answers (leader election on the ``<ns>_batch`` bucket, as admission's);
+another takes over within ``leader_ttl_s`` and resumes every unfinished job from the database and the results
+stream: no line ends twice in the output, none is billed twice (its request id is its own for good).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from services.admission.leader import Leadership
+from services.batch import store
+from services.batch.config import BatchConfig
+from services.batch.job import BatchJob
+from services.batch.lines import parse_input
+from services.batch.runner import Runner
+from services.batch.streams import ensure_batch_streams
+from services.metering.db import create_engine, database_url, wait_for_schema
+from shared.batch_schema import (
+    TERMINAL_STATUSES,
+    BatchApiReply,
+    BatchApiRequest,
+    BatchJobRecord,
+    BatchLineError,
+    BatchSubmit,
+    job_id_for,
+)
+from shared.bus import Bus
+from shared.files import FileNotFound, FileStore, ensure_files_bucket
+from shared.kv_cas import ensure_bucket
+
+log = logging.getLogger("infermesh.batch")
+WINDOW_S = {"24h": 24 * 3600}
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+SUBMIT_DURABLE = "batch"
+
+
+class ApiRefusal(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.reply = BatchApiReply(error_status=status, error_message=message, error_param=param, error_code=code)
+
+
+class BatchService:
+    def __init__(self, bus: Bus, config: BatchConfig) -> None:
+        self.bus, self.config = bus, config
+        self.replica_id = config.batch_id or f"b-{uuid.uuid4().hex[:8]}"
+        self.engine = create_engine(database_url(config.database_url))
+        self.files = FileStore(bus)
+        self.runner = Runner(bus, self.files, config, self._save)
+        self.leadership = Leadership(bus, bus.subjects.batch_bucket, self.replica_id, config.leader_ttl_s,
+                                     self._elected, self._deposed, service="batch")
+        self._subs: list = []
+        self._submit_task: asyncio.Task[None] | None = None
+        self._consuming = False  # the submissions loop runs while this is set (nats-py's fetch can swallow a cancel)
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        await wait_for_schema(self.config.database_url)  # metering migrates the ledger
+        await ensure_batch_streams(self.bus)
+        await ensure_bucket(self.bus, self.bus.subjects.batch_bucket)
+        await ensure_files_bucket(self.bus)
+        await self.leadership.start()
+
+    async def stop(self) -> None:
+        await self.leadership.stop()
+        await self._deposed()
+        await self.engine.dispose()
+
+    async def _elected(self) -> None:
+        log.info("batch %s runs the jobs", self.replica_id)
+        for operation in ("create", "retrieve", "list", "cancel"):
+            self._subs.append(await self.bus.subscribe(self.bus.subjects.batch_api(operation), BatchApiRequest,
+                                                       self._api(operation)))
+        await self.runner.start()
+        for record in await store.unfinished_jobs(self.engine):
+            await self._resume(record)
+        self._consuming = True
+        self._submit_task = asyncio.create_task(self._consume_submissions(), name="batch-submissions")
+
+    async def _deposed(self) -> None:
+        for sub in self._subs:
+            await sub.unsubscribe()
+        self._subs.clear()
+        self._consuming = False
+        if self._submit_task is not None:  # it ends within a fetch's timeout even if the cancel is swallowed
+            self._submit_task.cancel()
+            await asyncio.wait([self._submit_task], timeout=3)
+            self._submit_task = None
+        await self.runner.stop()
+        self.runner = Runner(self.bus, self.files, self.config, self._save)
+
+    # ------------------------------------------------------------ state out
+    async def _save(self, record: BatchJobRecord) -> BatchJobRecord:
+        await store.save_job(self.engine, record)
+        await self.bus.js.publish(self.bus.subjects.batch_events(record.team, record.id), msgspec.json.encode(record),
+                                  stream=self.bus.subjects.batch_events_stream)
+        return record
+
+    # ------------------------------------------------------------ the API for edges
+    def _api(self, operation: str):  # noqa: ANN202
+        handler = {"create": self._create, "retrieve": self._retrieve, "list": self._list,
+                   "cancel": self._cancel}[operation]
+
+        async def answer(request: BatchApiRequest, raw: Msg) -> None:
+            try:
+                reply = await handler(request)
+            except ApiRefusal as refusal:
+                reply = refusal.reply
+            except Exception:
+                log.exception("batch %s failed", operation)
+                reply = BatchApiReply(error_status=500, error_message="The batch service had an error.")
+            await self.bus.respond(raw, reply)
+
+        return answer
+
+    async def _create(self, request: BatchApiRequest) -> BatchApiReply:
+        record = await self._new_job(request.team, request.endpoint, request.completion_window,
+                                     request.input_file_id, request.metadata, "http", None, request.key_prefix)
+        return BatchApiReply(job=record)
+
+    async def _retrieve(self, request: BatchApiRequest) -> BatchApiReply:
+        return BatchApiReply(job=await self._job_of(request.team, request.job_id))
+
+    async def _list(self, request: BatchApiRequest) -> BatchApiReply:
+        jobs, has_more = await store.list_jobs(self.engine, request.team, request.after or None, request.limit)
+        return BatchApiReply(jobs=jobs, has_more=has_more)
+
+    async def _cancel(self, request: BatchApiRequest) -> BatchApiReply:
+        record = await self._job_of(request.team, request.job_id)
+        answer = self.runner.cancel(record.id, time.time()) if record.status not in TERMINAL_STATUSES else None
+        if answer is None:  # ended: a cancelled one is answered as it is, any other cannot be cancelled
+            if record.status in ("cancelled", "cancelling"):
+                return BatchApiReply(job=record)
+            raise ApiRefusal(409, f"Cannot cancel a batch with status '{record.status}'.", None,
+                             "batch_not_cancellable")
+        cancelled, refused = answer
+        if refused:
+            raise ApiRefusal(409, refused, None, "batch_not_cancellable")
+        return BatchApiReply(job=cancelled)
+
+    async def _job_of(self, team: str, job_id: str) -> BatchJobRecord:
+        record = await store.get_job(self.engine, team, job_id) if job_id else None
+        if record is None:
+            raise ApiRefusal(404, f"No batch found with id '{job_id}'.", "batch_id", "not_found")
+        return record
+
+    # ------------------------------------------------------------ a new job
+    async def _new_job(self, team: str, endpoint: str, window: str, input_file_id: str,
+                       metadata: dict[str, str] | None, source: str, submit_id: str | None,
+                       key_prefix: str = "") -> BatchJobRecord:
+        if endpoint not in ENDPOINTS:
+            raise ApiRefusal(400, f"endpoint must be one of {', '.join(ENDPOINTS)}.", "endpoint", "invalid_value")
+        if window not in WINDOW_S:
+            raise ApiRefusal(400, "completion_window must be '24h'.", "completion_window", "invalid_value")
+        try:
+            data = await self.files.content(team, input_file_id)
+            info = await self.files.get(team, input_file_id)
+        except FileNotFound:
+            raise ApiRefusal(404, f"No file found with id '{input_file_id}'.", "input_file_id", "not_found") from None
+        if info.purpose != "batch":
+            raise ApiRefusal(400, f"File {input_file_id} has purpose '{info.purpose}', not 'batch'.", "input_file_id",
+                             "invalid_value")
+        now = int(time.time())
+        # over HTTP: time-ordered (jobs of one second list newest first, as OpenAI lists them), then random
+        job_id = job_id_for(team, submit_id) if submit_id else f"batch_{time.time_ns():016x}{uuid.uuid4().hex[:16]}"
+        record = BatchJobRecord(id=job_id, team=team, key_prefix=key_prefix, endpoint=endpoint,  # type: ignore[arg-type]
+                                input_file_id=input_file_id,
+                                completion_window=window, source=source, created_at=now,  # type: ignore[arg-type]
+                                expires_at=now + (self.config.completion_window_s or WINDOW_S[window]),
+                                metadata=metadata)
+        record, created = await store.create_job(self.engine, record, submit_id)
+        if not created:  # the same submission again: the job it made
+            return record
+        return await self._validate(BatchJob(record), data)
+
+    async def _validate(self, job: BatchJob, data: bytes) -> BatchJobRecord:
+        parsed = parse_input(data, job.record.endpoint)
+        now = time.time()
+        if parsed and isinstance(parsed[0], BatchLineError):
+            job.invalid(parsed, now)  # type: ignore[arg-type]
+            return await self._save(job.record)
+        job.validated(parsed[0].model, len(parsed), now)  # type: ignore[union-attr]
+        await self.runner.add(job, parsed)  # type: ignore[arg-type]
+        return job.record
+
+    async def _resume(self, record: BatchJobRecord) -> None:
+        try:
+            data = await self.files.content(record.team, record.input_file_id)
+        except FileNotFound:
+            job = BatchJob(record)
+            job.invalid([BatchLineError("file_not_found", "the input file is gone", "input_file_id")], time.time())
+            await self._save(job.record)
+            return
+        if record.status == "validating":
+            await self._validate(BatchJob(record), data)
+            return
+        await self.runner.add(BatchJob(record), parse_input(data, record.endpoint))  # type: ignore[arg-type]
+        log.info("batch %s of %s resumed (%s)", record.id, record.team, record.request_counts)
+
+    # ------------------------------------------------------------ the bus way in
+    async def _consume_submissions(self) -> None:
+        s = self.bus.subjects
+        sub = await self.bus.js.pull_subscribe(
+            s.batch_submit_all, durable=SUBMIT_DURABLE, stream=s.batch_submit_stream,
+            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=60, deliver_policy=DeliverPolicy.ALL))
+        try:
+            while self._consuming:
+                try:
+                    messages = await sub.fetch(8, timeout=1)
+                except asyncio.TimeoutError:
+                    continue
+                except Exception as exc:  # the bus away a moment
+                    log.warning("batch submissions: %s", exc)
+                    await asyncio.sleep(1)
+                    continue
+                for msg in messages:
+                    await self._submitted(msg)
+        finally:  # else a fetch's late answer waits in its queue and the connection's drain waits for it
+            await sub.unsubscribe()
+
+    async def _submitted(self, msg: Msg) -> None:
+        team = msg.subject.rsplit(".", 1)[-1]
+        submit_id = (msg.headers or {}).get("Nats-Msg-Id") or f"seq-{msg.metadata.sequence.stream}"
+        try:
+            submit = msgspec.json.decode(msg.data, type=BatchSubmit)
+            input_file_id = submit.input_file_id
+            if submit.lines:
+                input_file_id = (await self.files.put(team, "batch", f"{submit_id}.jsonl", submit.lines)).id
+            await self._new_job(team, submit.endpoint, submit.completion_window, input_file_id, submit.metadata,
+                                "bus", submit_id)
+        except ApiRefusal as refusal:
+            await self._refused(team, submit_id, refusal.reply.error_message)
+        except msgspec.ValidationError as exc:
+            await self._refused(team, submit_id, f"the submission is not a BatchSubmit: {exc}")
+        except msgspec.DecodeError as exc:
+            await self._refused(team, submit_id, f"the submission is not JSON: {exc}")
+        await msg.ack()
+
+    async def _refused(self, team: str, submit_id: str, message: str) -> None:
+        """A submission that cannot make a job: a failed job under its id says why (the client follows it)."""
+        now = int(time.time())
+        record = BatchJobRecord(id=job_id_for(team, submit_id), team=team, endpoint="/v1/chat/completions",
+                                input_file_id="", source="bus", created_at=now, expires_at=now, status="failed",
+                                failed_at=now, errors=[BatchLineError("invalid_submission", message)])
+        record, created = await store.create_job(self.engine, record, submit_id)
+        if created:
+            await self._save(record)
+        log.warning("batch submission %s of %s refused: %s", submit_id, team, message)

@@ -1,0 +1,57 @@
+"""Team users on the locked bus (infermesh/team_bus_users.py): made once, 0600, and a reload that rewrites only
+the team users of the running server's config (the SIGHUP itself: tests/e2e/test_batch_bus.py)."""
+
+from __future__ import annotations
+
+import json
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from infermesh.bus_auth import load_or_create_secrets, server_config
+from infermesh.bus_roles import Role
+from infermesh.team_bus_users import (
+    TEAM_SECRETS_FILE,
+    add_team_user,
+    record_running,
+    reload_team_users,
+    team_credentials,
+)
+from shared.subjects import Subjects
+
+
+def test_a_team_user_is_made_once_readable_by_this_user_only(tmp_path):
+    first = add_team_user(tmp_path, "kappa")
+    assert add_team_user(tmp_path, "kappa") == first and add_team_user(tmp_path, "lambda") != first
+    assert stat.S_IMODE((tmp_path / TEAM_SECRETS_FILE).stat().st_mode) == 0o600
+    credentials = team_credentials("kappa", tmp_path)
+    assert (credentials.user, credentials.password) == ("team-kappa", first)
+    with pytest.raises(KeyError, match="infermesh teams bus-user mu"):
+        team_credentials("mu", tmp_path)
+
+
+def _users(config_path) -> list[str]:
+    return [u["user"] for u in json.loads(config_path.read_text())["authorization"]["users"]]
+
+
+def test_a_reload_rewrites_the_team_users_and_keeps_the_roles(tmp_path):
+    assert not reload_team_users(tmp_path)  # no locked server recorded here
+    add_team_user(tmp_path, "kappa")
+    config_path, pid_file = tmp_path / "nats.json", tmp_path / "nats.pid"
+    config = server_config(4222, tmp_path / "store", Subjects("im"), load_or_create_secrets(tmp_path),
+                           team_secrets={"kappa": "old", "gone": "x"}, pid_file=pid_file)
+    config_path.write_text(json.dumps(config))
+    assert config["pid_file"] == str(pid_file)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    pid_file.write_text(str(dead.pid))
+    record_running(tmp_path, config_path, pid_file, "im", "nats://127.0.0.1:4222")
+    add_team_user(tmp_path, "lambda")
+    assert not reload_team_users(tmp_path)  # its server is gone: the config is rewritten for the next start
+    assert _users(config_path) == [*(r.value for r in Role), "team-kappa", "team-lambda"]
+    kappa = next(u for u in json.loads(config_path.read_text())["authorization"]["users"] if u["user"] == "team-kappa")
+    assert kappa["password"] == team_credentials("kappa", tmp_path).password
+    assert kappa["permissions"]["publish"]["allow"][0] == "im.batch.submit.kappa"
+    assert stat.S_IMODE(config_path.stat().st_mode) == 0o600
