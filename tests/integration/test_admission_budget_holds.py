@@ -36,6 +36,9 @@ from tests.utils import eventually
 PRICE = ModelPrice(input_micros=1_000_000, cached_input_micros=100_000, output_micros=4_000_000)  # $1 / $4 per 1M
 BUDGET = 1_000_000  # nano-USD; a request of 100 prompt + 100 max tokens costs at most 100_000 + 400_000
 WORST = 500_000
+# Tests that need one leader throughout: with a 1 s TTL a loaded CI machine let the key lapse, the leader stepped
+# down (its holds leave memory until the next one restores them) and a check read 0 mid-handover.
+STEADY_LEADER_TTL_S = 10.0
 
 
 class Edge:
@@ -172,7 +175,7 @@ async def test_a_lease_that_left_a_hold_is_not_restored_as_a_lease(nats_url, nam
                                                             WORST)))
     mesh = LocalMesh(nats_url, namespace)
     try:
-        admission = await mesh.start_admission(lease_ttl_s=30.0, leader_ttl_s=1.0)
+        admission = await mesh.start_admission(lease_ttl_s=30.0, leader_ttl_s=STEADY_LEADER_TTL_S)
         await eventually(lambda: admission.stats["restored"] == 1, 10)
         assert admission.stats["holds_restored"] == 1 and set(admission.models) == {"running"}
         assert admission.budgets.committed_nano("t", time.time()) == 400_000 + WORST
@@ -193,7 +196,7 @@ async def test_a_release_that_arrives_while_a_lapse_is_pending_is_held_at_its_re
     edge = Edge(bus)
     mesh = LocalMesh(nats_url, namespace)
     try:
-        admission = await mesh.start_admission(lease_ttl_s=0.3, leader_ttl_s=1.0)
+        admission = await mesh.start_admission(lease_ttl_s=0.3, leader_ttl_s=STEADY_LEADER_TTL_S)
         await eventually(lambda: admission.leadership.is_leader, 10)
         unreadable = True
 
@@ -210,6 +213,43 @@ async def test_a_release_that_arrives_while_a_lapse_is_pending_is_held_at_its_re
         unreadable = False
         await eventually(lambda: not admission._lapsed_models, 5)
         assert admission.budgets.committed_nano("t", time.time()) == 500_000  # held once, not dropped, not doubled
+    finally:
+        await mesh.stop()
+        await bus.close()
+
+
+async def test_a_hold_made_while_a_lapse_is_pending_survives_a_leader_change(nats_url, namespace, monkeypatch):
+    """The leader steps down between the late release's hold and the lapse's resolution: the next term restores
+    the hold from the bucket, or (when the step-down cancelled the release's handler before its hold was written)
+    restores the lease and lapses it again under the stream's real last sequence: held either way, never dropped.
+    (CI once read 0 mid-handover, where the stream's sequence was still faked as 0.)"""
+    bus = await Bus.connect(nats_url, namespace, "test-edge")
+    await setup_mesh(bus)
+    edge = Edge(bus)
+    mesh = LocalMesh(nats_url, namespace)
+    try:
+        admission = await mesh.start_admission(lease_ttl_s=0.3, leader_ttl_s=1.0)
+        await eventually(lambda: admission.leadership.is_leader, 10)
+        unreadable = True
+
+        real_last_seq = admission._store.usage_last_seq
+
+        async def last_seq() -> int | None:
+            return None if unreadable else await real_last_seq()
+
+        monkeypatch.setattr(admission._store, "usage_last_seq", last_seq)
+        granted = await edge.acquire()
+        assert isinstance(granted, LeaseGranted)
+        await eventually(lambda: granted.lease_id in admission._lapsed_models, 5)
+        await edge.release(granted.lease_id, await edge.bill())
+        await eventually(lambda: admission.budgets.committed_nano("t", time.time()) == 500_000, 5)
+        await admission.leadership._step_down("test: a missed renewal")
+        assert admission.budgets.committed_nano("t", time.time()) == 0  # not the leader: holds nothing
+        unreadable = False
+        await eventually(lambda: admission.leadership.is_leader and admission.stats["restored"]
+                         + admission.stats["holds_restored"] >= 1 and not admission.models
+                         and not admission._lapsed_models, 10)
+        assert admission.budgets.committed_nano("t", time.time()) == 500_000
     finally:
         await mesh.stop()
         await bus.close()
