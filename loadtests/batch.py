@@ -135,6 +135,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def admission_args(args: argparse.Namespace) -> list[str]:
+    return [] if args.batch_share is None else ["--batch-share", str(args.batch_share)]
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
@@ -145,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="batch-bench-") as tmp:
         state = Path(tmp)
         mesh = BenchMesh(state, fleet, str(make_tiny_llama(state / "tokenizer")), args.max_in_flight,
-                         args.batch_share)
+                         admission_args(args))
         try:
             mesh.start("prefix")
             runs = asyncio.run(bench(args, mesh))

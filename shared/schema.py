@@ -469,6 +469,9 @@ class GenerateRequest(Struct, frozen=True):
     # a migrated request: the tokens earlier attempts generated. The engine computes them after the prompt and goes
     # on from there, its seeded sampling and grammar advanced over them; its counts include them as output
     output_token_ids: list[int] = []
+    # the engine schedules interactive before batch (services/worker/engines/base.ENGINE_PRIORITY): where its KV is
+    # short, batch waits and a running batch request is the one preempted (it resumes there, recomputed)
+    request_class: RequestClass = "interactive"
 
 
 class AbortRequest(Struct, frozen=True):

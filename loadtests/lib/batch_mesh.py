@@ -2,7 +2,7 @@
 restartable with another dispatch order (``--dispatch-order``), so both orders run on the same fleet in one run.
 
     nats-server -js            the bus, JetStream for files and batch results
-    router, admission          admission: KV tokens x admit_fraction per pool, batch_share for class batch
+    router, admission          KV tokens x admit_fraction per pool; batch_share (for class batch)
     metering                   a SQLite ledger (migrated by metering; the batch service keeps its jobs there)
     edge                       HTTP on ``port``, static keys, leases from admission
     workers                    ``processes`` x ``engines`` sim engines (fixed timings, prefix-caching KV)
@@ -19,6 +19,7 @@ import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from infermesh.processes import Child, ProcessGroup
 from shared.ports import free_port, wait_for_port
@@ -53,9 +54,9 @@ class BenchMesh:
     """The processes above; ``port`` is the edge's."""
 
     def __init__(self, state: Path, fleet: FleetSpec, tokenizer: str, max_in_flight: int,
-                 batch_share: float | None = None) -> None:
+                 admission_args: Sequence[str] = ()) -> None:
         self.state, self.fleet, self.tokenizer, self.max_in_flight = state, fleet, tokenizer, max_in_flight
-        self.batch_share = batch_share  # admission's, for class batch (None: its default)
+        self.admission_args = list(admission_args)  # e.g. --batch-share 0.9 (none: admission's defaults)
         self.group = ProcessGroup(state / "logs")
         self.namespace = f"bb{uuid.uuid4().hex[:8]}"
         self.port = free_port()
@@ -73,8 +74,7 @@ class BenchMesh:
                     "INFERMESH_DATABASE_URL": self.database_url}
         f = self.fleet
         self.group.python_service("router", "services.router", [], self.env)
-        share = [] if self.batch_share is None else ["--batch-share", str(self.batch_share)]
-        self.group.python_service("admission", "services.admission", share, self.env)
+        self.group.python_service("admission", "services.admission", self.admission_args, self.env)
         self.group.python_service("metering", "services.metering", ["--billing-port", "-1"], self.env)
         for i in range(f.processes):
             self.group.python_service(f"worker-{i}", "services.worker", [
@@ -87,14 +87,17 @@ class BenchMesh:
                                   {**self.env, "INFERMESH_API_KEYS": f"{KEY}:{TEAM}"})
         self._start_batch(dispatch_order)
         self._wait(lambda: self._ready(), timeout_s, "the edge did not see every worker")
+        self._wait(lambda: self._batch_ready(), timeout_s, "the batch service did not answer")
 
     def restart_batch(self, dispatch_order: str, timeout_s: float = 60.0) -> None:
-        """Stop the batch service (it gives up the leader key) and start one with ``dispatch_order``."""
+        """Stop the batch service (it gives up the leader key) and start one with ``dispatch_order``; back once
+        the new one answers (a create sent before got 503: no responder)."""
         if self.batch is not None:
             self.batch.popen.send_signal(signal.SIGTERM)
             self.batch.popen.wait(30)
             self.group.children.remove(self.batch)
         self._start_batch(dispatch_order)
+        self._wait(lambda: self._batch_ready(), timeout_s, "the restarted batch service did not answer")
 
     def _start_batch(self, dispatch_order: str) -> None:
         self.dispatch_order = dispatch_order
@@ -107,6 +110,16 @@ class BenchMesh:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/ready", timeout=2) as response:
                 return json.loads(response.read())["workers"] >= self.fleet.workers
+        except OSError:
+            return False
+
+    def _batch_ready(self) -> bool:
+        """The batch service answers the edge's batch list (503 while it is not leading yet: urlopen raises)."""
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/batches?limit=1",
+                                         headers={"Authorization": f"Bearer {KEY}"})
+        try:
+            with urllib.request.urlopen(request, timeout=5) as response:
+                return response.status == 200
         except OSError:
             return False
 

@@ -223,7 +223,7 @@ class RequestRun:
             prefill_id = f"{a.stream_id}-prefill"  # no dots: the id ends a subject
             request = GenerateRequest(prefill_id, self.model, self.prompt_token_ids,
                                       msgspec.structs.replace(self.sampling, max_tokens=1), cache_salt=self.cache_salt,
-                                      remote_decode=True)
+                                      remote_decode=True, request_class=self.billing.request_class)
             return [Send(a.prefill_worker_id, request, self._context(None), prefill=True)]
         return self._send(None)
 
@@ -297,7 +297,8 @@ class RequestRun:
             self.migration_prefill_tokens += len(self.prompt_token_ids) + len(self.output)
         sampling = msgspec.structs.replace(self.sampling, max_tokens=self.sampling.max_tokens - len(self.output))
         request = GenerateRequest(a.stream_id, self.model, self.prompt_token_ids, sampling, attempt=a.index,
-                                  kv_transfer=kv, cache_salt=self.cache_salt, output_token_ids=list(self.output))
+                                  kv_transfer=kv, cache_salt=self.cache_salt, output_token_ids=list(self.output),
+                                  request_class=self.billing.request_class)
         return [Send(a.worker_id, request, self._context(a.prefill_cached))]
 
     def _on_tokens(self, token_ids: list[int], now: float) -> list[Action]:

@@ -28,7 +28,7 @@ from opentelemetry.trace import Status, StatusCode
 from services.worker.config import WorkerConfig
 from services.worker.engine_restart import EngineRestartPolicy
 from services.worker.engines import Engine, EngineRequestError, EngineSpec, create_engine
-from services.worker.engines.base import EngineDead, PromptTokens
+from services.worker.engines.base import ENGINE_PRIORITY, EngineDead, PromptTokens
 from services.worker.kv_log import KvEventLog
 from services.worker.orphans import OrphanReaper
 from shared import schema
@@ -227,7 +227,8 @@ class WorkerService:
                 async for out in self.engine.generate(request.request_id, request.prompt_token_ids, request.sampling,
                                                       request.kv_transfer, request.cache_salt,
                                                       remote_decode=request.remote_decode,
-                                                      output_token_ids=request.output_token_ids):
+                                                      output_token_ids=request.output_token_ids,
+                                                      priority=ENGINE_PRIORITY[request.request_class]):
                     if out.token_ids and num_output == resumed:
                         ttft_ms = 1000 * (time.monotonic() - received_at)
                     num_output += len(out.token_ids)

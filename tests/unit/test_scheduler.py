@@ -95,6 +95,40 @@ def test_decode_without_free_blocks_preempts_the_latest_admitted_and_it_recovers
     assert by_id["new"].num_preemptions >= 1 and pool.num_used_blocks == 0
 
 
+def test_with_priorities_the_lowest_is_preempted_though_admitted_first():
+    pool = BlockPool(4, 2)
+    scheduler = Scheduler(pool, max_num_batched_tokens=64, max_num_seqs=8)
+    scheduler.add(SimRequest("batch", [1, 2], max_tokens=4, priority=1))
+    scheduler.add(SimRequest("interactive", [3, 4], max_tokens=4, priority=0))
+    finished, batches = _run(scheduler)
+    preempted = [r.request_id for b in batches for r in b.preempted]
+    assert preempted and set(preempted) == {"batch"}  # FCFS alone would preempt "interactive", the newer
+    by_id = {r.request_id: r for r in finished}
+    assert by_id["batch"].output_token_ids == by_id["interactive"].output_token_ids == [1000, 1001, 1002, 1003]
+    assert [r.request_id for r in finished][0] == "interactive" and pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("arrivals, order", [
+    ([("b1", 1), ("i1", 0), ("b2", 1), ("i2", 0)], ["i1", "i2", "b1", "b2"]),  # priority, then arrival
+    ([("i1", 0), ("i2", 0)], ["i1", "i2"]),  # one priority: first come first served
+    ([("b1", 1), ("b2", 1), ("i1", 0)], ["i1", "b1", "b2"]),
+])
+def test_the_waiting_queue_is_ordered_by_priority_then_arrival(arrivals, order):
+    scheduler = Scheduler(BlockPool(8, 4), max_num_batched_tokens=64, max_num_seqs=8)
+    for request_id, priority in arrivals:
+        scheduler.add(SimRequest(request_id, [1, 2, 3], max_tokens=2, priority=priority))
+    assert [r.request_id for r in scheduler.waiting] == order
+
+
+def test_a_preempted_request_goes_back_first_of_its_priority_only():
+    scheduler = Scheduler(BlockPool(8, 4), max_num_batched_tokens=64, max_num_seqs=8)
+    for request_id, priority in [("i1", 0), ("b1", 1)]:
+        scheduler.add(SimRequest(request_id, [1, 2, 3], max_tokens=2, priority=priority))
+    preempted = SimRequest("b0", [5, 6], max_tokens=2, priority=1)
+    scheduler._enqueue(preempted, front=True)
+    assert [r.request_id for r in scheduler.waiting] == ["i1", "b0", "b1"]
+
+
 @pytest.mark.parametrize("where", ["waiting", "running"])
 def test_abort_frees_the_request_wherever_it_is(where):
     scheduler = Scheduler(BlockPool(8, 4), max_num_batched_tokens=64, max_num_seqs=8)

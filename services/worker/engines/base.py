@@ -17,7 +17,12 @@ import abc
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
-from shared.schema import KvEvent, KvTransfer, SamplingParams
+from shared.schema import KvEvent, KvTransfer, RequestClass, SamplingParams
+
+# the engine's scheduling priority of a request's class (vLLM's convention: lower goes first). Where an engine is
+# short of KV, batch waits behind interactive and a running batch request is preempted first (vLLM's "priority"
+# scheduling policy; the sim's scheduler does the same)
+ENGINE_PRIORITY: dict[RequestClass, int] = {"interactive": 0, "batch": 1}
 
 
 class EngineRequestError(ValueError):
@@ -95,14 +100,14 @@ class Engine(abc.ABC):
     def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
         kv_transfer: KvTransfer | None = None, cache_salt: str | None = None, remote_decode: bool = False,
-        output_token_ids: Sequence[int] = (),
+        output_token_ids: Sequence[int] = (), priority: int = 0,
     ) -> AsyncIterator[EngineOutput]:
         """Stream the request's tokens. ``kv_transfer``: pull the prompt's KV from the prefill worker holding it
         (falling back to computing it here if the pull fails). ``remote_decode``: this is the prefill half of a
         disaggregated request; the last output carries the KV handle for the decode worker. ``output_token_ids``:
         a migrated request's tokens so far (another worker made them): computed after the prompt, and generation
         goes on after them (``sampling.max_tokens`` is what is left); outputs carry only the new tokens and
-        ``num_prompt_tokens`` counts the prompt alone."""
+        ``num_prompt_tokens`` counts the prompt alone. ``priority``: ``ENGINE_PRIORITY`` of its class."""
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None: ...

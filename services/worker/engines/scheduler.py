@@ -12,9 +12,12 @@ first-come-first-served while the per-step token budget (``max_num_batched_token
 ``max_num_seqs`` allow and the block pool can hold their prompt (a request at the head
 that does not fit blocks the queue). A decode that needs a new block when none is free
 preempts the most recently admitted running request (recompute: its blocks are freed and
-it returns to the front of the waiting queue). A preempted request is readmitted only when
-a block stays free after it (as Dynamo's mocker does): readmitted into an exactly full
-pool, it would be preempted again by the next decode, over and over.
+it returns to the front of the waiting queue). With priorities (vLLM's "priority" policy:
+lower goes first), the waiting queue is ordered by priority, then arrival, and the victim
+is the newest running request of the lowest priority; a waiting request never preempts.
+A preempted request is readmitted only when a block stays free after it (as Dynamo's mocker
+does): readmitted into an exactly full pool, it would be preempted again by the next decode,
+over and over.
 
 A request whose KV a prefill worker computed (``remote_kv``, the decode side of a
 disaggregated pair) is admitted like any other, but instead of prefilling it starts a
@@ -47,6 +50,7 @@ class SimRequest:
     remote_kv: bool = False  # the prompt's KV is pulled from a prefill worker instead of computed here
     receiving: bool = False  # admitted, its KV transfer still in flight: not scheduled until kv_arrived()
     arrival_t: float = 0.0
+    priority: int = 0  # lower goes first (vLLM's priority policy): interactive 0, batch 1 (base.ENGINE_PRIORITY)
     scheduled_t: float | None = None  # first time any of it ran (queue wait = scheduled_t - arrival_t)
     token_times: list[float] = field(default_factory=list)
 
@@ -93,7 +97,18 @@ class Scheduler:
         if -(-num_tokens // self.pool.block_size) > self.pool.num_blocks:
             raise ValueError(f"request {request.request_id} needs {num_tokens} tokens of KV; the pool holds "
                              f"{self.pool.num_blocks * self.pool.block_size}")
-        self.waiting.append(request)
+        self._enqueue(request, front=False)
+
+    def _enqueue(self, request: SimRequest, front: bool) -> None:
+        """Into the waiting queue behind every request of a higher priority (lower value) and ahead of every lower
+        one; within its priority last (new) or first (preempted: it goes on before newer ones)."""
+        queue, i = self.waiting, len(self.waiting)
+        if front:
+            i = next((k for k, r in enumerate(queue) if r.priority >= request.priority), i)
+        else:
+            while i > 0 and queue[i - 1].priority > request.priority:
+                i -= 1
+        queue.insert(i, request)
 
     def abort(self, request_id: str) -> SimRequest | None:
         """Drop a request wherever it is; returns it (finish_reason "abort") or None if unknown."""
@@ -128,7 +143,7 @@ class Scheduler:
             if request.is_prefilling or request.receiving or request not in self.running:
                 continue  # still prefilling, or preempted earlier in this loop
             while not self.pool.append_tokens(request.request_id, request.output_token_ids[-1:]):
-                victim = self.running[-1]
+                victim = max(reversed(self.running), key=lambda r: r.priority)  # lowest priority, newest of it
                 self._preempt(victim, batch)
                 if victim is request:
                     break
@@ -144,7 +159,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         batch.preempted.append(request)
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:

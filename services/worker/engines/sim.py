@@ -155,7 +155,7 @@ class SimEngine(Engine):
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
         kv_transfer: KvTransfer | None = None, cache_salt: str | None = None, remote_decode: bool = False,
-        output_token_ids: Sequence[int] = (),
+        output_token_ids: Sequence[int] = (), priority: int = 0,
     ) -> AsyncIterator[EngineOutput]:
         if not prompt_token_ids:
             raise EngineRequestError("the prompt is empty")
@@ -171,7 +171,7 @@ class SimEngine(Engine):
             decoder = await self._decoder(sampling, len(output_token_ids))
             stop_ids = frozenset(decoder.stop_token_ids)  # the grammar ends only on these
         request = SimRequest(request_id, [*prompt_token_ids, *output_token_ids], sampling.max_tokens, stop_ids,
-                             arrival_t=self.now(), remote_kv=kv_transfer is not None,
+                             arrival_t=self.now(), remote_kv=kv_transfer is not None, priority=priority,
                              extra=(cache_salt,) if cache_salt else ())
         try:
             self.worker.add(request, seed=sampling.seed, decoder=decoder, resumed=len(output_token_ids))

@@ -144,6 +144,7 @@ class VllmEngine(Engine):
                 backend="xgrammar", disable_any_whitespace=not c.json_any_whitespace),
             logits_processors=[_CLOSING_PROCESSOR] if c.budget_closing else None,
             kv_transfer_config=kv_transfer_config, max_num_batched_tokens=c.max_num_batched_tokens or None,
+            scheduling_policy="priority",  # batch behind interactive, and preempted first (base.ENGINE_PRIORITY)
         )
         from services.worker.engines.hook_faults import SOCKET_ENV, FaultListener
         from services.worker.engines.priority import SpawnedProcesses
@@ -261,7 +262,7 @@ class VllmEngine(Engine):
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
         kv_transfer: KvTransfer | None = None, cache_salt: str | None = None, remote_decode: bool = False,
-        output_token_ids: Sequence[int] = (),
+        output_token_ids: Sequence[int] = (), priority: int = 0,
     ) -> AsyncIterator[EngineOutput]:
         from vllm.exceptions import VLLMValidationError
         from vllm.inputs import tokens_input
@@ -278,7 +279,7 @@ class VllmEngine(Engine):
         try:
             stream = self._llm.generate(tokens_input(context, cache_salt=cache_salt),
                                         self._sampling(sampling, params, request_id, output_token_ids),
-                                        request_id)
+                                        request_id, priority=priority)
             async for out in _rejections_as(stream, VLLMValidationError):
                 self._raise_if_hook_failed(request_id)
                 if out.num_cached_tokens:
