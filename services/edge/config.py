@@ -48,6 +48,9 @@ class EdgeConfig(BusConfig):
     # from the first byte (or the connection) to the end of the headers, else 408; nginx waits 60 s, and 10 s
     # failed a client sharing a busy event loop with an in-process mesh (it had connected, not yet written)
     header_timeout_s: float = 30.0
+    # an idle keep-alive connection is closed after this long: longer than clients keep idle connections for reuse
+    # (httpx, so the OpenAI SDKs: 5 s; undici: 4 s), so the edge never closes one just as a client reuses it
+    keep_alive_s: float = 65.0
     # SO_REUSEPORT: several edges serve one port (the kernel spreads connections), so one that dies costs only
     # its own open requests (``infermesh up --edge-replicas``)
     reuse_port: bool = False
@@ -89,6 +92,7 @@ class EdgeConfig(BusConfig):
         assert self.route_block_size >= 0, "route_block_size must be >= 0"
         assert self.max_migrations >= 0, "max_migrations must be >= 0"
         assert self.max_body_bytes > 0 and self.max_header_bytes > 0 and self.header_timeout_s > 0
+        assert self.keep_alive_s > 0
         assert self.body_timeout_s > 0 and self.max_tools > 0 and self.max_tools_bytes > 0
         assert self.max_file_bytes > 0 and self.file_upload_timeout_s > 0
         assert self.max_schema_depth > 0 and self.prep_processes >= 0 and self.inline_prep_bytes >= 0

@@ -11,10 +11,13 @@ header size, so a client that sends its headers slowly, or forever, holds a conn
 | first byte (or of the connection, before any byte)            | (the edge's own stalls not counted:  |
 |                                                               | deadlines.py)                        |
 
-and a lingering close: when the edge answers before the request's body arrived (401, 413, 408, see
-http.py; or any route, e.g. a 405 from Litestar) it closes the connection, and closing at once with unread bytes makes
-the kernel reset the connection, and the client (still sending) sees "connection reset" instead of the answer. So such a
-close half-closes (FIN after the reply), drops whatever still arrives, and closes for good when the client does or after
+An idle keep-alive connection is closed after ``keep_alive_s`` (uvicorn's timer, made patient the same way: a stalled
+loop ran the plain timer before the bytes of the request the client had just sent on that connection, and closed it
+under the client: an httpx ``ReadError``, the likely cause of one seen in CI), and a lingering close: when the edge
+answers before the request's body arrived (401, 413, 408, see http.py; or any route, e.g. a 405 from Litestar) it
+closes the connection, and closing at once with unread bytes makes the kernel reset the connection, and the client
+(still sending) sees "connection reset" instead of the answer. So such a close half-closes (FIN after the reply),
+drops whatever still arrives, and closes for good when the client does or after
 ``LINGER_S``. Bodies themselves (size, deadline) are bounded one layer up, in http.py.
 """
 
@@ -122,6 +125,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().on_response_complete()
         if self.in_message and not self.transport.is_closing():
             self.transport.close()  # answered before its body ended (any route): never read the rest; lingers
+        elif isinstance(self.timeout_keep_alive_task, asyncio.TimerHandle):  # uvicorn's idle close: not a stall's
+            self.timeout_keep_alive_task.cancel()
+            self.timeout_keep_alive_task = PatientDeadline(  # type: ignore[assignment]  (it has cancel() too)
+                self.loop, self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
     def _arm_deadline(self) -> None:
         self._deadline = PatientDeadline(self.loop, self.header_limits.timeout_s, self._on_deadline)  # not a stall's

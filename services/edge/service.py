@@ -42,6 +42,7 @@ class EdgeService:
         server_config = uvicorn.Config(
             self.app, host=self.config.host, port=self.config.http_port, log_level="warning",
             access_log=False, lifespan="off", loop="none", timeout_graceful_shutdown=2, proxy_headers=False,
+            timeout_keep_alive=self.config.keep_alive_s,
             http=guarded_protocol(HeaderLimits(self.config.max_header_bytes, self.config.header_timeout_s)),
         )
         self._server = uvicorn.Server(server_config)

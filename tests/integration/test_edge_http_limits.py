@@ -26,7 +26,7 @@ BODY = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi
 async def edge(nats_url, namespace):
     mesh = LocalMesh(nats_url, namespace, dev_key=KEY)
     service = await mesh.start_edge(max_body_bytes=LIMIT, body_timeout_s=0.5, header_timeout_s=0.5,
-                                    max_header_bytes=8 << 10)
+                                    max_header_bytes=8 << 10, keep_alive_s=0.5)
     yield service
     await mesh.stop()
 
@@ -117,6 +117,37 @@ async def test_headers_sent_across_a_stall_of_the_edges_loop_are_served_not_408(
     finally:
         writer.close()
     assert head.startswith(b"HTTP/1.1 200"), head
+
+
+async def test_a_request_sent_on_a_kept_alive_connection_across_a_stall_is_served_not_closed(edge):
+    """The loop stalls past the 0.5 s keep-alive timeout of an idle connection; the request the client writes as it
+    resumes comes due with the timeout: it is answered. (uvicorn's plain timer closed the connection first: the
+    client's ReadError in a CI run, under an in-process mesh whose loop stalled.)"""
+    reader, writer = await asyncio.open_connection("127.0.0.1", edge.port)
+    ping = b"GET /health HTTP/1.1\r\nHost: edge\r\n\r\n"
+    try:
+        writer.write(ping)
+        first = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        length = int(first.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        await asyncio.wait_for(reader.readexactly(length), 10)  # the reply is whole: the keep-alive timer runs
+        time.sleep(1.5)  # the whole loop held up
+        await asyncio.sleep(0)
+        writer.write(ping)
+        second = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)  # closed instead: IncompleteReadError
+    finally:
+        writer.close()
+    assert first.startswith(b"HTTP/1.1 200") and second.startswith(b"HTTP/1.1 200"), second
+
+
+async def test_an_idle_kept_alive_connection_is_still_closed_at_its_timeout(edge):
+    reader, writer = await asyncio.open_connection("127.0.0.1", edge.port)
+    try:
+        writer.write(b"GET /health HTTP/1.1\r\nHost: edge\r\n\r\n")
+        start = time.monotonic()
+        raw = await asyncio.wait_for(reader.read(-1), 10)  # to EOF: the edge closes the idle connection
+    finally:
+        writer.close()
+    assert raw.startswith(b"HTTP/1.1 200") and 0.5 <= time.monotonic() - start < 3
 
 
 async def test_headers_over_the_cap_are_431(edge):
