@@ -63,9 +63,9 @@ class FakeDecoder:
         return "".join(out)
 
 
-def make_run(stop=(), max_tokens=16, retries=1, migrations=3) -> RequestRun:
+def make_run(stop=(), max_tokens=16, retries=1, migrations=3, klass="interactive") -> RequestRun:
     billing = BillingContext(request_id="r", attempt=0, team="t", key_prefix="sk-t", model="m",
-                             request_class="interactive", worker_id="")
+                             request_class=klass, worker_id="")
     return RequestRun("r", "m", list(PROMPT), msgspec.structs.replace(SAMPLING, max_tokens=max_tokens),
                       RouteRequest("r", "m", len(PROMPT), "s1", [], [11, 12], 2), IncrementalDetokenizer(FakeDecoder()),
                       StopStringMatcher(list(stop)), billing, "salt", Limits(retries, migrations))
@@ -368,6 +368,15 @@ def test_a_retry_opens_a_new_stream_on_another_worker_with_the_routing_hints_kep
     assert retry.request.output_token_ids == [] and retry.request.sampling == SAMPLING
     assert (retry.billing.attempt, retry.billing.worker_id, retry.billing.request_id) == (1, "w2", "r")
     assert run.usage == Usage("finished", "stop", 1, "w2", "", 4, 0, 2, 1000.0)
+
+
+@pytest.mark.parametrize("klass", ["interactive", "batch"])
+def test_every_send_carries_the_request_class_the_engine_schedules_by(klass):
+    """Prefill, decode and a migration's resend all tell the worker the class (batch goes behind, in the engine)."""
+    run = make_run(klass=klass)
+    _, flat = drive(run, routed("w1", "p1"), end("remote", "r-prefill", cached=3, output=1, kv=KV), tok("ab"),
+                    err("worker_unavailable"), routed("w2"), tok("cd", "r-a1"), end(stream="r-a1", output=4))
+    assert [s.request.request_class for s in sends(flat)] == [klass] * 3
 
 
 def test_a_migration_resumes_token_exact_on_the_next_worker():
