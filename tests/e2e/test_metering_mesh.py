@@ -231,7 +231,11 @@ async def test_a_60s_postgres_outage_under_load_loses_nothing(nats_url, namespac
     await proxy.start()
     mesh = await start_mesh(nats_url, namespace, tiny_model, proxy.rewrite(ledger_url))
     try:
-        client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key=key, max_retries=0)
+        # The SDK's own retries, as its users run it: in 2 of 3 fresh-clone runs one of ~1,000 requests here met a
+        # connection the edge closed (ReadError) or answered 408 "headers did not arrive within 30 s" (an open edge
+        # defect, not of billing; see the closing note). A retry cannot hide a double bill: check_ledger wants
+        # exactly one row per request the clients saw, so an attempt that ran and was retried would be a row more.
+        client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key=key, max_retries=2)
         seen: list[Seen] = []
         stop = asyncio.Event()
         load = asyncio.create_task(run_clients(client, 100_000, concurrency=4, seed=1, seen=seen, stop=stop))
