@@ -22,7 +22,7 @@ from services.metering.models import Usage, UsageDaily
 from services.metering.sync import load_prices
 from shared.batch_schema import BatchJobRecord, BatchRequestCounts
 from shared.schema import ModelPrice, UsageEvent
-from tests.ledger_db import fresh_database
+from tests.ledger_db import fresh_database_or_skip
 
 pytestmark = pytest.mark.integration
 UTC = dt.timezone.utc
@@ -189,10 +189,7 @@ _OLD_PRICE = ("INSERT INTO prices (model, input_micros, cached_input_micros, out
 @pytest.fixture(params=["postgres", "sqlite"])
 async def ledger_at_0004_url(request):
     """A ledger at revision 0004 (before batch jobs) holding a price, a usage row and its day."""
-    try:
-        url, drop = await fresh_database(request.param)
-    except OSError as exc:  # justified: only a developer box without Postgres lands here; CI's machine has one
-        pytest.skip(f"no {request.param} server to test on: {exc}")
+    url, drop = await fresh_database_or_skip(request.param)  # skipped (justified there) without a server
     try:
         await asyncio.to_thread(command.upgrade, alembic_config(url), "0004")
         engine = create_engine(url)

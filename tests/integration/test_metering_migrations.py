@@ -26,7 +26,7 @@ from shared import schema
 from shared.bus import Bus
 from shared.schema import ModelPrice, UsageEvent
 from shared.usage import UsagePublisher
-from tests.ledger_db import fresh_database
+from tests.ledger_db import fresh_database_or_skip
 from tests.utils import eventually
 
 pytestmark = pytest.mark.integration
@@ -131,10 +131,7 @@ _OLD_DAILY = ("INSERT INTO usage_daily (team, day, model, key_prefix, requests, 
 @pytest.fixture(params=["postgres", "sqlite"])
 async def old_ledger_url(request):
     """A ledger at revision 0002 (before the migration columns) holding a day of usage."""
-    try:
-        url, drop = await fresh_database(request.param)
-    except OSError as exc:  # justified: only a developer box without Postgres lands here; CI's machine has one
-        pytest.skip(f"no {request.param} server to test on: {exc}")
+    url, drop = await fresh_database_or_skip(request.param)  # skipped (justified there) without a server
     try:
         await asyncio.to_thread(command.upgrade, alembic_config(url), "0002")
         engine = create_engine(url)
@@ -180,10 +177,7 @@ async def test_an_old_ledger_gets_the_columns_on_start_and_keeps_its_rows(old_le
 @pytest.fixture(params=["postgres", "sqlite"])
 async def ledger_at_0003_url(request):
     """A ledger at revision 0003 (before the deployment column) holding one row."""
-    try:
-        url, drop = await fresh_database(request.param)
-    except OSError as exc:  # justified: only a developer box without Postgres lands here; CI's machine has one
-        pytest.skip(f"no {request.param} server to test on: {exc}")
+    url, drop = await fresh_database_or_skip(request.param)  # skipped (justified there) without a server
     try:
         await asyncio.to_thread(command.upgrade, alembic_config(url), "0003")
         engine = create_engine(url)
