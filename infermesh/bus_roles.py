@@ -6,11 +6,12 @@ a KV read a consumer on ``KV_<bucket>`` or a direct get; JetStream API calls are
 | role      | publishes                                                       | subscribes                      |
 |-----------|-----------------------------------------------------------------|---------------------------------|
 | edge      | router.route, worker.*.generate/abort/ping, admission.*,        | stream.> (token streams),       |
-|           | outcome.*, usage (JetStream); the orphans consumer's acks;      | edge.*.ping, batch.line (queue  |
-|           | batch.api.* (the Batch API, asked of the batch service)         | edges: a job's lines)           |
+|           | outcome.*, usage (JetStream); the orphans consumer's acks;      | edge.*.ping, edge.*.revoked,    |
+|           | batch.api.* (the Batch API, asked of the batch service)         | batch.line (queue edges)        |
 | router    | router.decisions, worker.*.kv_replay/kv_snapshot; replies       | router.route, router.*.explain, |
 |           |                                                                 | router.decisions, kv.*, load.*  |
 | admission | replies (lease grants); the usage stream's info (last sequence) | admission.*                     |
+|           | edge.*.revoked (a batch lease taken back)                       |                                 |
 | breaker   | breaker.transitions                                             | outcome.*                       |
 | metering  | acks on the usage stream, usage_dlq (dead letters, JetStream)   | metering.keys_changed, usage    |
 |           |                                                                 | (durable consumer)              |
@@ -178,7 +179,8 @@ def _grants(role: Role, s: Subjects) -> tuple[tuple[str, ...], tuple[str, ...], 
                  s.outcome_all, *stream_publish(s.usage_stream, s.usage), *stream_consume(s.orphans_stream),
                  *kv_reads(s.workers_bucket), *kv_reads(s.breakers_bucket), *kv_reads(s.api_keys_bucket),
                  *kv_writes(s.edges_bucket), *object_store_access(s.files_bucket), f"{ns}.batch.api.*"),
-                (f"{ns}.stream.>", f"{edge}.ping", s.batch_line), frozenset({s.edges_bucket, s.files_bucket}), True)
+                (f"{ns}.stream.>", f"{edge}.ping", f"{edge}.revoked", s.batch_line),
+                frozenset({s.edges_bucket, s.files_bucket}), True)
     if role is Role.BATCH:  # jobs: runs lines through the edges, keeps results and events, reads submissions
         return ((s.batch_line, *stream_publish(s.batch_results_stream, s.batch_results_all),
                  *stream_read(s.batch_results_stream), *stream_publish(s.batch_events_stream, s.batch_events_all),
@@ -193,7 +195,7 @@ def _grants(role: Role, s: Subjects) -> tuple[tuple[str, ...], tuple[str, ...], 
     if role is Role.ADMISSION:
         # the usage stream's last sequence: how far the ledger must get before a lapsed lease's hold clears
         return ((*kv_reads(s.workers_bucket), *kv_reads(s.billing_bucket), *kv_writes(s.leases_bucket),
-                 f"{JS}.STREAM.INFO.{s.usage_stream}"),
+                 f"{JS}.STREAM.INFO.{s.usage_stream}", f"{edge}.revoked"),
                 (f"{ns}.admission.*",), frozenset({s.leases_bucket}), True)
     if role is Role.BREAKER:
         return ((s.breaker_transitions, *kv_reads(s.workers_bucket), *kv_writes(s.breakers_bucket)),

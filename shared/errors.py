@@ -73,6 +73,12 @@ def pool_full(message: str, retry_after_s: float) -> PoolFull:
     return PoolFull(error.status, error.message, error.type, error.param, error.code, error.headers)
 
 
+def preempted() -> ApiError:
+    """429: admission took a batch-class request's capacity back for interactive traffic (nothing is billed)."""
+    return rate_limited("The request was preempted: its capacity was taken back for interactive traffic, and "
+                        "nothing was billed for it. Send it again.", 1.0, "preempted")
+
+
 def insufficient_quota(message: str) -> ApiError:
     """429 as OpenAI sends it when the account's quota is spent (not retryable by waiting seconds)."""
     return ApiError(429, f"You exceeded your current quota: {message}", "insufficient_quota", None,

@@ -193,6 +193,13 @@ class LeaseRelease(Struct, frozen=True):
     completion_tokens: int = 0
 
 
+class LeaseRevoked(Struct, frozen=True):
+    """Admission took a batch lease's capacity back for an interactive request: its edge aborts the request
+    (answered 429 ``preempted``; a batch line goes again) and still releases the lease once it has ended."""
+
+    lease_id: str
+
+
 class LeaseRecord(Struct, frozen=True):
     """A granted lease in the leases bucket (per-key TTL): what a new admission leader rebuilds from."""
 

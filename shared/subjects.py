@@ -22,6 +22,7 @@ tests - can share one NATS server without hearing each other.
     <ns>.admission.acquire            request/reply  LeaseRequest -> LeaseGranted | LeaseRejected (the leader)
     <ns>.admission.renew              request/reply  LeaseRenew -> LeaseRenewReply
     <ns>.admission.release            publish        LeaseRelease
+    <ns>.edge.<id>.revoked            publish        LeaseRevoked (admission -> the lease's edge: abort, 429 preempted)
     KV bucket <ns>_leases             key <lease>    LeaseRecord, per-key TTL; key "leader": the admission leader
     <ns>.outcome.<id>                 publish        Outcome (edge -> breaker)
     <ns>.breaker.transitions          publish        BreakerTransition
@@ -164,6 +165,9 @@ class Subjects:
     # --- per edge
     def edge_ping(self, edge_id: str) -> str:
         return f"{self.namespace}.edge.{_check_token(edge_id, 'edge id')}.ping"
+
+    def edge_revoked(self, edge_id: str) -> str:
+        return f"{self.namespace}.edge.{_check_token(edge_id, 'edge id')}.revoked"
 
     def orphans(self, worker_id: str) -> str:
         return f"{self.namespace}.orphans.{_check_token(worker_id, 'worker id')}"

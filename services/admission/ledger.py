@@ -18,6 +18,13 @@ both teams waiting, they hold the pool 2:1); within a team, first come first ser
 that does not fit blocks its class (no starvation of large requests). Batch only takes idle
 capacity: it may fill the pool up to ``batch_share``, and a full queue drops its newest batch
 waiter to make room for an interactive one.
+
+Batch yields running capacity too (``preempt_batch``): an interactive request that does not fit
+takes it back from the newest batch leases, as few as make it fit (none if even all would not).
+A revoked lease no longer counts against the pool or its team, but lives on in ``revoked`` until
+its holder releases it (after aborting its request) or it lapses, so its budget reservation
+ends the way any lease's does. ``revocations`` lists the leases revoked since the caller last
+looked: their holders are to be told.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ class PoolLimits:
     max_concurrency: int = 0  # requests at once (0: no limit)
     batch_share: float = 0.8  # batch leases may fill the pool up to this share
     max_queue: int = 256
+    preempt_batch: bool = True  # an interactive request that does not fit revokes the newest batch leases
 
     def __post_init__(self) -> None:
         assert self.capacity_tokens >= 0 and self.max_concurrency >= 0 and 0 <= self.batch_share <= 1
@@ -110,6 +118,8 @@ class Ledger:
         self._teams: dict[str, _Team] = {}
         self.used_tokens = 0
         self.bumped: list[Waiter] = []  # batch waiters dropped for interactive ones; the caller tells them
+        self.revoked: dict[str, Lease] = {}  # batch leases whose capacity interactive took back, until they end
+        self.revocations: list[Lease] = []  # revoked since the caller last looked; the caller tells their holders
 
     # ------------------------------------------------------------ requests
     def acquire(self, now: float, ticket: str, team: str, klass: str, tokens: int, holder: str,
@@ -131,7 +141,7 @@ class Ledger:
                 return Reject("tokens_per_minute", f"team {team!r} is at its {limits.tokens_per_minute} "
                                                    "tokens per minute", wait_s)
         waiter = Waiter(ticket, team, klass, tokens, holder, deadline)
-        if not any(PRIORITY[w.klass] <= PRIORITY[klass] for w in self.waiters) and self._fits(waiter):
+        if not any(PRIORITY[w.klass] <= PRIORITY[klass] for w in self.waiters) and self._room_for(waiter):
             return Grant(self._grant(waiter, now))
         if deadline <= now:  # it will not wait: no room now is its answer
             return Reject("queue_timeout", "no capacity free now, and the request does not wait",
@@ -147,15 +157,18 @@ class Ledger:
         return Wait(ticket)
 
     def renew(self, lease_id: str, now: float) -> Lease | None:
-        lease = self.leases.get(lease_id)
+        held = self.leases if lease_id in self.leases else self.revoked
+        lease = held.get(lease_id)
         if lease is None:
             return None
         renewed = Lease(lease.lease_id, lease.team, lease.klass, lease.tokens, lease.holder,
                         now + self.lease_ttl_s)
-        self.leases[lease_id] = renewed
+        held[lease_id] = renewed
         return renewed
 
     def release(self, lease_id: str, now: float) -> list[Grant]:
+        if self.revoked.pop(lease_id, None) is not None:
+            return []  # its capacity went back when it was revoked
         lease = self.leases.pop(lease_id, None)
         if lease is None:
             return []
@@ -175,6 +188,8 @@ class Ledger:
         for lease in [lease for lease in self.leases.values() if lease.expires_at <= now]:
             del self.leases[lease.lease_id]
             self._return(lease)
+        for lease_id in [lease.lease_id for lease in self.revoked.values() if lease.expires_at <= now]:
+            del self.revoked[lease_id]
         overdue = [w for w in self.waiters if w.deadline <= now]
         for waiter in overdue:
             self.waiters.remove(waiter)
@@ -197,6 +212,10 @@ class Ledger:
             self.used_tokens += lease.tokens
 
     # ------------------------------------------------------------ queries
+    def expired(self, now: float) -> list[str]:
+        """The leases ``tick(now)`` lapses, revoked ones included."""
+        return [lid for held in (self.leases, self.revoked) for lid, lease in held.items() if lease.expires_at <= now]
+
     def team_usage(self, team: str) -> tuple[int, int]:
         t = self._teams.get(team)
         return (t.leases, t.tokens) if t else (0, 0)
@@ -214,6 +233,30 @@ class Ledger:
         if self.used_tokens + waiter.tokens > limit:
             return False
         return not pool.max_concurrency or len(self.leases) < pool.max_concurrency
+
+    def _room_for(self, waiter: Waiter) -> bool:
+        """It fits, or (interactive) it fits once the newest batch leases are revoked: as few as make it fit."""
+        if self._fits(waiter):
+            return True
+        if waiter.klass == BATCH or not self.pool.preempt_batch:
+            return False
+        pool, victims, freed = self.pool, [], 0
+        for lease in reversed(self.leases.values()):  # newest first: the least work lost
+            if lease.klass != BATCH:
+                continue
+            victims.append(lease)
+            freed += lease.tokens
+            tokens_ok = self.used_tokens - freed + waiter.tokens <= pool.capacity_tokens
+            if tokens_ok and (not pool.max_concurrency or len(self.leases) - len(victims) < pool.max_concurrency):
+                break
+        else:
+            return False  # even every batch lease would not make room: revoke none
+        for lease in victims:
+            del self.leases[lease.lease_id]
+            self._return(lease)
+            self.revoked[lease.lease_id] = lease
+            self.revocations.append(lease)
+        return True
 
     def _grant(self, waiter: Waiter, now: float) -> Lease:
         lease = Lease(waiter.ticket, waiter.team, waiter.klass, waiter.tokens, waiter.holder, now + self.lease_ttl_s)
@@ -240,7 +283,7 @@ class Ledger:
             team = min(dict.fromkeys(w.team for w in candidates),
                        key=lambda name: self._team(name).tokens / self._team(name).limits.weight)
             head = next(w for w in candidates if w.team == team)
-            if not self._fits(head):
+            if not self._room_for(head):
                 break
             self.waiters.remove(head)
             grants.append(Grant(self._grant(head, now)))

@@ -52,6 +52,7 @@ from shared.schema import (
     LeaseRenew,
     LeaseRenewReply,
     LeaseRequest,
+    LeaseRevoked,
     PriceSheet,
     TeamSpend,
 )
@@ -172,7 +173,7 @@ class AdmissionService:
         workers = [w for w in self.directory.live(model) if w.role in SERVING_ROLES]
         c = self.config
         return PoolLimits(int(sum(w.num_kv_blocks * w.block_size for w in workers) * c.admit_fraction),
-                          c.concurrency_per_worker * len(workers), c.batch_share, c.max_queue)
+                          c.concurrency_per_worker * len(workers), c.batch_share, c.max_queue, c.preempt_batch)
 
     def _ledger(self, model: str) -> Ledger:
         ledger = self.ledgers.get(model)
@@ -276,7 +277,7 @@ class AdmissionService:
             await asyncio.sleep(self.config.tick_s)
             now = time.time()
             for model, ledger in list(self.ledgers.items()):
-                lapsed = [lid for lid, lease in ledger.leases.items() if lease.expires_at <= now]
+                lapsed = ledger.expired(now)
                 grants, rejected = ledger.tick(now)
                 for lease_id in lapsed:
                     self.stats["lapsed"] += 1
@@ -293,6 +294,7 @@ class AdmissionService:
 
     # ------------------------------------------------------------ answers
     async def _answer_grant(self, model: str, grant: Grant, raw: Msg | None = None) -> None:
+        await self._tell_revoked(self._ledger(model))  # a grant may have revoked batch leases: they go first
         lease = grant.lease
         raw = raw or self._waiting.pop(lease.lease_id, None)
         record = LeaseRecord(lease.lease_id, lease.team, lease.klass, model, lease.tokens, lease.holder,
@@ -309,6 +311,17 @@ class AdmissionService:
     async def _answer_reject(self, raw: Msg, reject: Reject) -> None:
         self.stats[f"rejected:{reject.code}"] += 1
         await self.bus.respond(raw, LeaseRejected(reject.code, reject.message, reject.retry_after_s))
+
+    async def _tell_revoked(self, ledger: Ledger) -> None:
+        """The holders of revoked batch leases abort their requests; each lease ends as any does (released with
+        what its request cost, or lapsed), so its budget reservation is kept until then."""
+        revoked, ledger.revocations = ledger.revocations, []
+        for lease in revoked:
+            self.stats["revoked"] += 1
+            try:
+                await self.bus.publish(self.bus.subjects.edge_revoked(lease.holder), LeaseRevoked(lease.lease_id))
+            except Exception as exc:  # the edge is gone or NATS is: its request runs on within its lease's tokens
+                log.warning("could not tell %s that lease %s was revoked: %s", lease.holder, lease.lease_id, exc)
 
     async def _reject_bumped(self, ledger: Ledger) -> None:
         bumped: list[Waiter] = ledger.bumped

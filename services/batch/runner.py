@@ -5,6 +5,8 @@
     dispatcher.next(free slots) --> BatchLineRequest on <ns>.batch.line (any edge) --> BatchLineReply
         200 / 4xx (not 429)      the line ended: its result on the results stream (once per line), counted
         429 rate limit, 503      capacity is busy: the line waits (retry_s, doubling to retry_max_s), then again
+        429 preempted            admission took its capacity back for interactive traffic: again at once (its
+                                 lease is asked for anew and queues behind interactive); not a try, not billed
         429 insufficient_quota   the team's budget is spent: the job fails with that error
         5xx, no edge, timeout    tried again up to max_line_tries, then an error line
     job.tick: deadline passed or cancel asked --> no more dispatch; once nothing is in flight the lines left are
@@ -60,7 +62,7 @@ class Runner:
         self.bus, self.files, self.config, self.save = bus, files, config, save
         self.runs: dict[str, JobRun] = {}
         self.dispatcher = Dispatcher(config.dispatch_order)
-        self.stats = {"lines_sent": 0, "lines_ok": 0, "lines_failed": 0, "retried": 0}
+        self.stats = {"lines_sent": 0, "lines_ok": 0, "lines_failed": 0, "retried": 0, "preempted": 0}
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -171,6 +173,12 @@ class Runner:
         if reply.status_code == 429 and _code(reply.body) == "insufficient_quota":  # the month's budget is spent
             error = BatchLineError("insufficient_quota", f"The team's budget is spent: {_message(reply.body)}")
             self._carry_out(run, [*run.job.fail(error, now), *run.job.line_deferred(line.index, now)])
+            return
+        if reply.status_code == 429 and _code(reply.body) == "preempted":  # interactive took its capacity back
+            self._carry_out(run, run.job.line_deferred(line.index, now))
+            if run.job.may_dispatch:  # again at once, not a try: admission queues it until batch has room
+                self.dispatcher.requeue(job_id, line.index)
+                self.stats["preempted"] += 1
             return
         tries = run.tries.get(line.index, 0) + 1
         run.tries[line.index] = tries

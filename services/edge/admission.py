@@ -2,6 +2,10 @@
 
 One renewal message per edge renews every lease it holds (every TTL/3); if the edge dies its
 leases stop being renewed and lapse, so their capacity comes back within the TTL.
+
+Admission may revoke a batch lease for an interactive request (``<ns>.edge.<id>.revoked``): the callback
+``watch`` registered for it runs (the request aborts and answers 429 ``preempted``). The lease stays held and
+renewed until the request has ended and released it with what it cost, as any lease.
 """
 
 from __future__ import annotations
@@ -10,7 +14,8 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import get_args
+from collections import OrderedDict
+from typing import Callable, get_args
 
 from shared import errors
 from shared.bus import Bus, BusError
@@ -21,6 +26,7 @@ from shared.schema import (
     LeaseRenewReply,
     LeaseReply,
     LeaseRequest,
+    LeaseRevoked,
     RequestClass,
 )
 
@@ -29,6 +35,7 @@ CLASSES: tuple[str, ...] = get_args(RequestClass)
 RATE_LIMITED = ("concurrency_limit", "tokens_per_minute")  # the team's own limits
 POOL_FULL = ("queue_full", "queue_timeout")  # the pool's: another deployment may have room
 FAILOVER_S = 5.0  # how long an acquire keeps asking while no admission leader answers (leader TTL 3 s)
+EARLY_REVOCATIONS = 1024  # the latest revocations of leases no request watches (yet), kept for watch()
 
 
 class AdmissionClient:
@@ -38,11 +45,19 @@ class AdmissionClient:
         self.ttl_s = 10.0
         self._renewer: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self._watchers: dict[str, Callable[[], None]] = {}  # lease id -> what to do if admission revokes it
+        self._early: OrderedDict[str, None] = OrderedDict()  # revoked before its request watched it
+        self._revocations = None
 
     async def start(self) -> None:
+        self._revocations = await self.bus.subscribe(self.bus.subjects.edge_revoked(self.edge_id), LeaseRevoked,
+                                                     self._on_revoked)
         self._renewer = asyncio.create_task(self._renew_loop(), name="lease-renewal")
 
     async def stop(self) -> None:
+        if self._revocations is not None:
+            await self._revocations.unsubscribe()
+            self._revocations = None
         if self._renewer is not None:
             self._renewer.cancel()
         for lease_id in list(self.held):  # a clean stop gives the capacity back at once
@@ -84,8 +99,27 @@ class AdmissionClient:
                                              "max_tokens")
             raise errors.service_unavailable(reply.message, reply.code)
 
+    def watch(self, lease_id: str, on_revoked: Callable[[], None]) -> None:
+        """Call ``on_revoked`` if admission revokes the lease (at once if it already has), until it is released."""
+        if self._early.pop(lease_id, "no") is None:
+            on_revoked()
+        else:
+            self._watchers[lease_id] = on_revoked
+
+    async def _on_revoked(self, message: LeaseRevoked, _raw: object) -> None:
+        on_revoked = self._watchers.pop(message.lease_id, None)
+        if on_revoked is not None:
+            log.info("lease %s revoked by admission for an interactive request", message.lease_id)
+            on_revoked()
+        else:  # its request has not watched it yet (the grant's reply crossed this), or it ended already
+            self._early[message.lease_id] = None
+            if len(self._early) > EARLY_REVOCATIONS:
+                self._early.popitem(last=False)
+
     def release(self, lease_id: str, release: LeaseRelease | None = None) -> None:
         """Give a lease back; ``release`` may carry the request's usage (its budget reservation becomes that)."""
+        self._watchers.pop(lease_id, None)
+        self._early.pop(lease_id, None)
         if lease_id in self.held:
             self.held.discard(lease_id)
             task = asyncio.get_running_loop().create_task(

@@ -145,7 +145,8 @@ class EdgeApi:
         run.lease_deployment = lease[0].name if lease is not None else ""
         bill = _Bill(request_id, caller, model, arrived, lease, asyncio.get_running_loop().create_future(),
                      run.usage_so_far, trace_id, request.batch_id)
-        events = _then(self.mesh.generate(run, bill.settle), lambda: self._spawn_bill(bill))
+        events = _then(self._revocable(self.mesh.generate(run, bill.settle), klass, bill),
+                       lambda: self._spawn_bill(bill))
         try:
             with trace.use_span(span, end_on_exit=False) if span.is_recording() else nullcontext():
                 first = await events.__anext__()
@@ -162,6 +163,16 @@ class EdgeApi:
                             {"x-infermesh-deployment": run.deployment or self.mesh.local.name})
         return await self._complete(first, events, shape, span)
 
+    @staticmethod
+    def _revocable(events: AsyncIterator[str | Usage], klass: str, bill: _Bill) -> AsyncIterator[str | Usage]:
+        """A batch-class request's events end in 429 ``preempted`` if admission revokes its lease (unbilled)."""
+        if klass != "batch" or bill.lease is None or bill.lease[0].admission is None:
+            return events
+        link, lease_id = bill.lease
+        revoked = asyncio.get_running_loop().create_future()
+        link.admission.watch(lease_id, lambda: revoked.done() or revoked.set_result(None))
+        return _until_revoked(events, revoked, bill)
+
     def _spawn_bill(self, bill: _Bill) -> None:
         """Bill in the background: the client never waits for it, and a cancelled request is billed too."""
         task = asyncio.get_running_loop().create_task(self._bill(bill))
@@ -176,7 +187,7 @@ class EdgeApi:
             log.warning("request %s: no final counts after its cancellation; billing what was seen", bill.request_id)
             usage = bill.seen()
         seq = 0
-        if usage is not None:
+        if usage is not None and not bill.preempted:  # a preempted attempt is the platform's loss, never billed
             seq = await self.mesh.usage.publish(UsageEvent(
                 bill.request_id, usage.attempt, bill.caller.team, bill.caller.key_prefix, bill.model,
                 usage.status, usage.finish_reason, usage.prompt_tokens, usage.cached_tokens,  # type: ignore[arg-type]
@@ -258,10 +269,35 @@ class EdgeApi:
                 tail += _sse(shape.usage_chunk(item))
         except StreamBroken as exc:
             tail = _sse(errors.engine_failed(f"The engine failed mid-generation: {exc}").body())
+        except errors.ApiError as exc:  # preempted mid-stream (a batch-class stream whose lease was revoked)
+            tail = _sse(exc.body())
         finally:
             await events.aclose()
             span.end()
         yield head + tail + b"data: [DONE]\n\n"
+
+
+async def _until_revoked(events: AsyncIterator[str | Usage], revoked: "asyncio.Future[None]",
+                         bill: _Bill) -> AsyncIterator[str | Usage]:
+    """``events`` until ``revoked`` resolves: then the run is wound up as if its client left (its worker aborts,
+    freeing the KV at once), the bill is marked preempted, and 429 ``preempted`` is raised."""
+    async with aclosing(events) as inner:  # type: ignore[type-var]
+        while True:
+            step = asyncio.ensure_future(inner.__anext__())
+            try:
+                await asyncio.wait((step, revoked), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not step.done():  # revoked, or this request cancelled: the run winds up before we go on
+                    step.cancel()
+                    await asyncio.wait((step,))
+            if step.cancelled():
+                bill.preempted = True
+                raise errors.preempted()
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            yield item
 
 
 async def _then(events: AsyncIterator[str | Usage], done: Callable[[], None]) -> AsyncIterator[str | Usage]:
@@ -287,6 +323,7 @@ class _Bill:
     seen: Callable[[], Usage | None]  # what was seen so far, if it never settles in time
     trace_id: str
     batch_id: str = ""  # a batch line's job: billed at the batch price
+    preempted: bool = False  # admission revoked its lease before it ended: not billed (a batch line runs again)
 
     def settle(self, usage: Usage | None) -> None:
         if not self.settled.done():

@@ -97,7 +97,7 @@ def test_tokens_per_minute_says_when_to_come_back():
 
 
 def test_interactive_goes_before_batch_and_batch_only_takes_idle_capacity():
-    book = ledger(batch_share=0.8)
+    book = ledger(batch_share=0.8, preempt_batch=False)
     assert isinstance(ask(book, "b1", 80, klass=BATCH), Grant)
     assert isinstance(ask(book, "b2", 10, klass=BATCH), Wait)  # past 80% of the pool
     assert isinstance(ask(book, "i1", 20), Grant)  # interactive may use the rest
@@ -105,6 +105,57 @@ def test_interactive_goes_before_batch_and_batch_only_takes_idle_capacity():
     grants = book.release("b1", 1.0)
     # the interactive waiter first, though it came later; then batch, into what is still idle
     assert [g.lease.lease_id for g in grants] == ["i2", "b2"] and book.waiters == []
+
+
+def test_an_interactive_request_revokes_the_newest_batch_leases_as_few_as_make_it_fit():
+    book = ledger(batch_share=1.0)
+    for ticket in ("b1", "b2", "b3"):
+        assert isinstance(ask(book, ticket, 30, team="batchers", klass=BATCH), Grant)
+    assert isinstance(ask(book, "i1", 50), Grant)  # 10 free: b3 and b2 go, b1 stays
+    assert [lease.lease_id for lease in book.revocations] == ["b3", "b2"]
+    assert sorted(book.leases) == ["b1", "i1"] and sorted(book.revoked) == ["b2", "b3"]
+    assert book.used_tokens == 80 and book.team_usage("batchers") == (1, 30)
+    assert isinstance(ask(book, "b4", 10, team="batchers", klass=BATCH), Grant)  # what is idle, batch may take
+
+
+@pytest.mark.parametrize("held, pool, request_tokens, klass, revoked", [
+    ([(INTERACTIVE, 60), (BATCH, 30)], {}, 50, INTERACTIVE, []),  # even every batch lease would not make room
+    ([(BATCH, 60), (BATCH, 30)], dict(preempt_batch=False), 50, INTERACTIVE, []),  # preemption off
+    ([(BATCH, 60), (BATCH, 30)], {}, 50, BATCH, []),  # batch never preempts batch
+    ([(BATCH, 10), (BATCH, 10)], dict(max_concurrency=2), 10, INTERACTIVE, ["h1"]),  # a request slot, not tokens
+    ([(BATCH, 45), (INTERACTIVE, 10), (BATCH, 40)], {}, 50, INTERACTIVE, ["h2", "h0"]),  # interactive stays
+])
+def test_who_is_revoked(held, pool, request_tokens, klass, revoked):
+    book = ledger(batch_share=1.0, **pool)
+    for i, (held_class, tokens) in enumerate(held):
+        assert isinstance(ask(book, f"h{i}", tokens, klass=held_class), Grant)
+    result = ask(book, "new", request_tokens, klass=klass)
+    assert isinstance(result, Grant if revoked else Wait)
+    assert [lease.lease_id for lease in book.revocations] == revoked and sorted(book.revoked) == sorted(revoked)
+
+
+def test_a_revoked_lease_holds_no_capacity_and_ends_as_any_lease_does():
+    book = ledger(batch_share=1.0, ttl=5.0)
+    ask(book, "b1", 60, klass=BATCH)
+    ask(book, "b2", 40, klass=BATCH)
+    ask(book, "i1", 40)  # revokes b2
+    assert book.renew("b2", 2.0).expires_at == 7.0  # its holder renews it until its request has ended
+    book.renew("i1", 2.0)
+    assert book.release("b2", 3.0) == [] and book.used_tokens == 100 and "b2" not in book.revoked
+    ask(book, "i2", 60, now=3.0)  # revokes b1, which is never renewed: it lapses
+    assert [lease.lease_id for lease in book.revocations] == ["b2", "b1"]
+    assert book.expired(5.0) == ["b1"] and book.expired(4.9) == []
+    book.tick(5.0)
+    assert book.revoked == {} and book.used_tokens == 100 and sorted(book.leases) == ["i1", "i2"]
+
+
+def test_a_queued_interactive_request_revokes_when_capacity_frees():
+    book = ledger(batch_share=1.0)
+    ask(book, "i0", 60)
+    ask(book, "b1", 40, klass=BATCH)
+    assert isinstance(ask(book, "i1", 70), Wait) and book.revocations == []  # 60 + 70 > 100 even without b1
+    grants = book.release("i0", 1.0)
+    assert [g.lease.lease_id for g in grants] == ["i1"] and [lease.lease_id for lease in book.revocations] == ["b1"]
 
 
 def test_a_full_queue_drops_its_newest_batch_waiter_for_an_interactive_one():

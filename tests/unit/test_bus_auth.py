@@ -57,6 +57,7 @@ def roles_that(check, subject: str) -> set[Role]:
     ("im.usage_dlq", {Role.METERING}),
     ("im.orphans.sim-0", {Role.WORKER}),
     ("im.stream.e1.r1", {Role.WORKER}),
+    ("im.edge.e1.revoked", {Role.ADMISSION}),  # a batch lease taken back: its edge aborts the request
     ("$JS.API.STREAM.DELETE.KV_im_workers", set()),
     ("$JS.API.STREAM.PURGE.im_usage", set()),
     ("$JS.API.STREAM.UPDATE.KV_im_api_keys", set()),
@@ -72,6 +73,7 @@ def test_each_write_belongs_to_the_roles_that_own_it(subject, writers):
     ("im.worker.sim-0.generate", {Role.WORKER}),
     ("im.router.route", {Role.ROUTER}),
     ("im.admission.acquire", {Role.ADMISSION}),
+    ("im.edge.e1.revoked", {Role.EDGE}),
     ("im.outcome.sim-0", {Role.BREAKER}),
     ("im.metering.keys_changed", {Role.METERING}),
     ("_INBOX.edge.abc.1", {Role.EDGE}),
