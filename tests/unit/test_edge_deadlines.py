@@ -34,6 +34,21 @@ async def test_a_deadline_that_fires_late_waits_a_grace_then_holds():
     assert fired[0] - resumed >= deadlines.GRACE_S * 0.9  # a grace with the loop running, then it holds
 
 
+async def test_a_stall_that_began_before_the_due_time_does_not_count_against_the_client():
+    """The loop is held up from just after arming until just past the due time: the timer fires only a little
+    late (less than STALL_S, which alone looks punctual), but the client had no running loop for its bytes."""
+    fired: list[float] = []
+    deadlines.loop_stalls(asyncio.get_running_loop())  # the ticker runs (an edge arms deadlines all the time)
+    await asyncio.sleep(deadlines.TICK_S * 2)
+    deadline = PatientDeadline(asyncio.get_running_loop(), 1.0, lambda: fired.append(time.monotonic()))
+    time.sleep(1.0 + deadlines.STALL_S / 2)  # due 1.0 s after arming: fires ~0.25 s late
+    resumed = time.monotonic()
+    await eventually(lambda: deadline.deferrals >= 1, 5, 0.001)
+    assert fired == [] and deadline.armed
+    await eventually(lambda: fired, deadlines.GRACE_S + 5)
+    assert fired[0] - resumed >= deadlines.GRACE_S * 0.9
+
+
 async def test_a_cancelled_deadline_never_fires():
     fired: list[bool] = []
     deadline = PatientDeadline(asyncio.get_running_loop(), 0.01, lambda: fired.append(True))
@@ -73,3 +88,34 @@ async def test_a_body_that_never_comes_is_still_408():
     with pytest.raises(errors.ApiError) as caught:
         await read_body(never, BodyLimits(max_bytes=1 << 10, timeout_s=0.1))
     assert caught.value.status == 408
+
+
+class _FakeLoop:
+    def __init__(self) -> None:
+        self.now, self.tick = 0.0, None
+
+    def time(self) -> float:
+        return self.now
+
+    def call_at(self, _when: float, callback) -> None:
+        self.tick = callback
+
+    def is_closed(self) -> bool:
+        return False
+
+
+def test_loop_stalls_counts_each_stall_once_however_often_it_is_asked():
+    loop = _FakeLoop()
+    stalls = deadlines.LoopStalls(loop)  # type: ignore[arg-type]  (ticks due every TICK_S from 0)
+    loop.now = 3.0  # held up since the first tick was due (0.1)
+    assert stalls.lost(0.0) == pytest.approx((2.9, 3.0))
+    loop.now = 3.2  # later in the same turn, before the ticker ran: the same stall, longer
+    assert stalls.lost(0.0) == pytest.approx((3.1, 3.2)) and len(stalls.stalls) == 1
+    loop.tick()  # the ticker runs at last: still one stall; next tick due at 3.3
+    loop.now = 3.35
+    assert stalls.lost(0.0) == pytest.approx((3.1, 3.2))
+    assert stalls.lost(2.0) == pytest.approx((1.2, 3.2))  # only the part since 2.0
+    loop.now = 3.3 + deadlines.STALL_S / 2  # a tick late by less than STALL_S is no stall
+    loop.tick()
+    loop.now += deadlines.TICK_S + 1.0  # a second stall of 1 s
+    assert stalls.lost(0.0) == pytest.approx((4.1, loop.now)) and len(stalls.stalls) == 2
