@@ -24,6 +24,7 @@ drops whatever still arrives, and closes for good when the client does or after
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from services.edge.deadlines import PatientDeadline
 from shared import errors
 
+log = logging.getLogger("infermesh.edge")
 LINGER_S = 2.0  # at most this long spent draining a rejected request's body before closing
 
 
@@ -87,6 +89,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._awaiting_headers = True
         self._header_bytes = 0
         self._deadline: PatientDeadline | None = None
+        self._opened_at = self.loop.time()
+        self._requests = 0
         self._arm_deadline()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -107,6 +111,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self.in_message = True
+        self._requests += 1
         if self._deadline is None:
             self._arm_deadline()
 
@@ -139,8 +144,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._deadline = None
 
     def _on_deadline(self) -> None:
-        self._deadline = None
+        deadline, self._deadline = self._deadline, None
         if self._awaiting_headers and not self.transport.is_closing():
+            log.warning("408 on a connection from %s: open %.1f s, request %d, %d header bytes read, reading %s, "
+                        "deferred %d times for loop stalls", self.client, self.loop.time() - self._opened_at,
+                        self._requests, self._header_bytes,
+                        "paused" if self.flow.read_paused else "on", deadline.deferrals if deadline else 0)
             self._reject(408, "Request Timeout", errors.request_timeout("headers", self.header_limits.timeout_s))
 
     def _reject(self, status: int, reason: str, error: errors.ApiError) -> None:
