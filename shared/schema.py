@@ -180,6 +180,7 @@ class LeaseRenew(Struct, frozen=True):
 
 class LeaseRenewReply(Struct, frozen=True):
     unknown: list[str]
+    revoked: list[str] = []  # of those renewed, the ones revoked (again: a LeaseRevoked message may be lost)
 
 
 class LeaseRelease(Struct, frozen=True):

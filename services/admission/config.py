@@ -30,7 +30,7 @@ class AdmissionConfig(BusConfig):
     leader_ttl_s: float = 3.0  # a leader that stops renewing for this long is replaced
     admit_fraction: float = 0.9  # share of the workers' KV the pool admits at once
     concurrency_per_worker: int = 0  # requests at once per serving worker (0: no limit)
-    batch_share: float = 0.8  # batch leases may fill the pool up to this share
+    batch_share: float = 0.9  # batch leases may fill the pool up to this share
     preempt_batch: bool = True  # an interactive request that does not fit revokes the newest batch leases
     max_queue: int = 256
     teams: str = ""  # team:weight[:max concurrency[:tokens per minute]], comma-separated

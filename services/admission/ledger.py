@@ -20,7 +20,8 @@ capacity: it may fill the pool up to ``batch_share``, and a full queue drops its
 waiter to make room for an interactive one.
 
 Batch yields running capacity too (``preempt_batch``): an interactive request that does not fit
-takes it back from the newest batch leases, as few as make it fit (none if even all would not).
+and would wait takes it back from batch leases, the newest first and none it turns out not to need
+(none at all if even every batch lease would not make room; none for a request that will not wait).
 A revoked lease no longer counts against the pool or its team, but lives on in ``revoked`` until
 its holder releases it (after aborting its request) or it lapses, so its budget reservation
 ends the way any lease's does. ``revocations`` lists the leases revoked since the caller last
@@ -51,7 +52,7 @@ class TeamLimits:
 class PoolLimits:
     capacity_tokens: int  # KV tokens the pool admits at once (workers' KV x the admission fraction)
     max_concurrency: int = 0  # requests at once (0: no limit)
-    batch_share: float = 0.8  # batch leases may fill the pool up to this share
+    batch_share: float = 0.9  # batch leases may fill the pool up to this share
     max_queue: int = 256
     preempt_batch: bool = True  # an interactive request that does not fit revokes the newest batch leases
 
@@ -141,7 +142,9 @@ class Ledger:
                 return Reject("tokens_per_minute", f"team {team!r} is at its {limits.tokens_per_minute} "
                                                    "tokens per minute", wait_s)
         waiter = Waiter(ticket, team, klass, tokens, holder, deadline)
-        if not any(PRIORITY[w.klass] <= PRIORITY[klass] for w in self.waiters) and self._room_for(waiter):
+        ahead = any(PRIORITY[w.klass] <= PRIORITY[klass] for w in self.waiters)
+        # a request that will not wait (an edge asking each deployment who has room now) preempts nothing
+        if not ahead and (self._fits(waiter) or (deadline > now and self._room_for(waiter))):
             return Grant(self._grant(waiter, now))
         if deadline <= now:  # it will not wait: no room now is its answer
             return Reject("queue_timeout", "no capacity free now, and the request does not wait",
@@ -235,28 +238,36 @@ class Ledger:
         return not pool.max_concurrency or len(self.leases) < pool.max_concurrency
 
     def _room_for(self, waiter: Waiter) -> bool:
-        """It fits, or (interactive) it fits once the newest batch leases are revoked: as few as make it fit."""
+        """It fits, or (interactive) it fits once batch leases are revoked: the newest first, then those not
+        needed after all handed back (an older, larger one made room), so no revocation is for nothing."""
         if self._fits(waiter):
             return True
         if waiter.klass == BATCH or not self.pool.preempt_batch:
             return False
-        pool, victims, freed = self.pool, [], 0
+        victims: list[Lease] = []
         for lease in reversed(self.leases.values()):  # newest first: the least work lost
-            if lease.klass != BATCH:
-                continue
-            victims.append(lease)
-            freed += lease.tokens
-            tokens_ok = self.used_tokens - freed + waiter.tokens <= pool.capacity_tokens
-            if tokens_ok and (not pool.max_concurrency or len(self.leases) - len(victims) < pool.max_concurrency):
-                break
+            if lease.klass == BATCH:
+                victims.append(lease)
+                if self._fits_without(waiter, victims):
+                    break
         else:
             return False  # even every batch lease would not make room: revoke none
+        for lease in list(victims[:-1]):  # the last one was needed; of the rest, keep what still leaves room
+            rest = [v for v in victims if v is not lease]
+            if self._fits_without(waiter, rest):
+                victims = rest
         for lease in victims:
             del self.leases[lease.lease_id]
             self._return(lease)
             self.revoked[lease.lease_id] = lease
             self.revocations.append(lease)
         return True
+
+    def _fits_without(self, waiter: Waiter, leases: list[Lease]) -> bool:
+        pool = self.pool
+        if self.used_tokens - sum(lease.tokens for lease in leases) + waiter.tokens > pool.capacity_tokens:
+            return False
+        return not pool.max_concurrency or len(self.leases) - len(leases) < pool.max_concurrency
 
     def _grant(self, waiter: Waiter, now: float) -> Lease:
         lease = Lease(waiter.ticket, waiter.team, waiter.klass, waiter.tokens, waiter.holder, now + self.lease_ttl_s)

@@ -218,12 +218,15 @@ class AdmissionService:
             await self._answer_reject(raw, result)
 
     async def _on_renew(self, request: LeaseRenew, raw: Msg) -> None:
-        now, unknown = time.time(), []
+        now, unknown, revoked = time.time(), [], []
         for lease_id in request.lease_ids:
             model = self.models.get(lease_id)
-            if model is None or self._ledger(model).renew(lease_id, now) is None:
+            ledger = self.ledgers.get(model) if model is not None else None
+            if ledger is None or ledger.renew(lease_id, now) is None:
                 unknown.append(lease_id)
-        await self.bus.respond(raw, LeaseRenewReply(unknown))
+            elif lease_id in ledger.revoked:
+                revoked.append(lease_id)
+        await self.bus.respond(raw, LeaseRenewReply(unknown, revoked))
 
     async def _on_release(self, request: LeaseRelease, _raw: Msg) -> None:
         """The hold (if the ledger lacks the usage) is durable before the lease record goes."""
@@ -294,7 +297,9 @@ class AdmissionService:
 
     # ------------------------------------------------------------ answers
     async def _answer_grant(self, model: str, grant: Grant, raw: Msg | None = None) -> None:
-        await self._tell_revoked(self._ledger(model))  # a grant may have revoked batch leases: they go first
+        ledger = self.ledgers.get(model)  # (none if this replica stepped down meanwhile)
+        if ledger is not None:
+            await self._tell_revoked(ledger)  # a grant may have revoked batch leases: they go first
         lease = grant.lease
         raw = raw or self._waiting.pop(lease.lease_id, None)
         record = LeaseRecord(lease.lease_id, lease.team, lease.klass, model, lease.tokens, lease.holder,

@@ -3,9 +3,10 @@
 One renewal message per edge renews every lease it holds (every TTL/3); if the edge dies its
 leases stop being renewed and lapse, so their capacity comes back within the TTL.
 
-Admission may revoke a batch lease for an interactive request (``<ns>.edge.<id>.revoked``): the callback
-``watch`` registered for it runs (the request aborts and answers 429 ``preempted``). The lease stays held and
-renewed until the request has ended and released it with what it cost, as any lease.
+Admission may revoke a batch lease for an interactive request (``<ns>.edge.<id>.revoked``, and again in
+every renewal's reply, in case that message was lost): the callback ``watch`` registered for it runs (the
+request aborts and answers 429 ``preempted``). The lease stays held and renewed until the request has ended
+and released it with what it cost, as any lease.
 """
 
 from __future__ import annotations
@@ -141,3 +142,5 @@ class AdmissionClient:
             for lease_id in reply.unknown:  # lapsed (admission lost it): the request runs on, unaccounted
                 log.warning("lease %s lapsed before its request ended", lease_id)
                 self.held.discard(lease_id)
+            for lease_id in reply.revoked:  # its LeaseRevoked was lost (or is still on its way: then a no-op)
+                await self._on_revoked(LeaseRevoked(lease_id), None)

@@ -163,15 +163,14 @@ class EdgeApi:
                             {"x-infermesh-deployment": run.deployment or self.mesh.local.name})
         return await self._complete(first, events, shape, span)
 
-    @staticmethod
-    def _revocable(events: AsyncIterator[str | Usage], klass: str, bill: _Bill) -> AsyncIterator[str | Usage]:
+    def _revocable(self, events: AsyncIterator[str | Usage], klass: str, bill: _Bill) -> AsyncIterator[str | Usage]:
         """A batch-class request's events end in 429 ``preempted`` if admission revokes its lease (unbilled)."""
         if klass != "batch" or bill.lease is None or bill.lease[0].admission is None:
             return events
         link, lease_id = bill.lease
         revoked = asyncio.get_running_loop().create_future()
         link.admission.watch(lease_id, lambda: revoked.done() or revoked.set_result(None))
-        return _until_revoked(events, revoked, bill)
+        return _until_revoked(events, revoked, bill, self.config.abort_drain_timeout_s + 1)
 
     def _spawn_bill(self, bill: _Bill) -> None:
         """Bill in the background: the client never waits for it, and a cancelled request is billed too."""
@@ -277,10 +276,12 @@ class EdgeApi:
         yield head + tail + b"data: [DONE]\n\n"
 
 
-async def _until_revoked(events: AsyncIterator[str | Usage], revoked: "asyncio.Future[None]",
-                         bill: _Bill) -> AsyncIterator[str | Usage]:
+async def _until_revoked(events: AsyncIterator[str | Usage], revoked: "asyncio.Future[None]", bill: _Bill,
+                         drain_s: float) -> AsyncIterator[str | Usage]:
     """``events`` until ``revoked`` resolves: then the run is wound up as if its client left (its worker aborts,
-    freeing the KV at once), the bill is marked preempted, and 429 ``preempted`` is raised."""
+    freeing the KV at once), the bill is marked preempted, and once the abort has drained (at most ``drain_s``:
+    a batch line sent again at once reuses the request id, so the old run must be gone from the worker and from
+    this edge's streams first) 429 ``preempted`` is raised."""
     async with aclosing(events) as inner:  # type: ignore[type-var]
         while True:
             step = asyncio.ensure_future(inner.__anext__())
@@ -292,6 +293,7 @@ async def _until_revoked(events: AsyncIterator[str | Usage], revoked: "asyncio.F
                     await asyncio.wait((step,))
             if step.cancelled():
                 bill.preempted = True
+                await asyncio.wait((bill.settled,), timeout=drain_s)
                 raise errors.preempted()
             try:
                 item = step.result()

@@ -123,14 +123,17 @@ def test_an_interactive_request_revokes_the_newest_batch_leases_as_few_as_make_i
     ([(BATCH, 60), (BATCH, 30)], dict(preempt_batch=False), 50, INTERACTIVE, []),  # preemption off
     ([(BATCH, 60), (BATCH, 30)], {}, 50, BATCH, []),  # batch never preempts batch
     ([(BATCH, 10), (BATCH, 10)], dict(max_concurrency=2), 10, INTERACTIVE, ["h1"]),  # a request slot, not tokens
-    ([(BATCH, 45), (INTERACTIVE, 10), (BATCH, 40)], {}, 50, INTERACTIVE, ["h2", "h0"]),  # interactive stays
+    ([(BATCH, 45), (INTERACTIVE, 10), (BATCH, 40)], {}, 50, INTERACTIVE, ["h0"]),  # h2 was not needed after all
+    ([(BATCH, 20), (BATCH, 30), (BATCH, 30)], {}, 60, INTERACTIVE, ["h2", "h1"]),  # newest first, both needed
+    ([(BATCH, 60), (BATCH, 30)], dict(deadline=0.0), 50, INTERACTIVE, []),  # it will not wait: no preemption
 ])
 def test_who_is_revoked(held, pool, request_tokens, klass, revoked):
+    deadline = pool.pop("deadline", 30.0)
     book = ledger(batch_share=1.0, **pool)
     for i, (held_class, tokens) in enumerate(held):
         assert isinstance(ask(book, f"h{i}", tokens, klass=held_class), Grant)
-    result = ask(book, "new", request_tokens, klass=klass)
-    assert isinstance(result, Grant if revoked else Wait)
+    result = ask(book, "new", request_tokens, klass=klass, deadline=deadline)
+    assert isinstance(result, Grant if revoked else (Reject if deadline == 0.0 else Wait))
     assert [lease.lease_id for lease in book.revocations] == revoked and sorted(book.revoked) == sorted(revoked)
 
 
