@@ -114,7 +114,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--interactive-share", type=float, default=0.3, help="of the first probe's capacity")
     p.add_argument("--interactive-rate", type=float, default=0.0, help="requests/s (overrides the share)")
-    p.add_argument("--interactive-s", type=float, default=20.0)
+    p.add_argument("--interactive-s", type=float, default=60.0, help="the alone phase, in s")
     p.add_argument("--probe-s", type=float, default=8.0)
     p.add_argument("--probe-concurrency", type=int, default=48)
     p.add_argument("--prefixes", type=int, default=50)
