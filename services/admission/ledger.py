@@ -69,6 +69,7 @@ class Lease:
     tokens: int
     holder: str  # the edge that holds it
     expires_at: float
+    granted_at: float = -1.0  # when it was granted (its tokens-per-minute entry); -1: restored, not known
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +166,7 @@ class Ledger:
         if lease is None:
             return None
         renewed = Lease(lease.lease_id, lease.team, lease.klass, lease.tokens, lease.holder,
-                        now + self.lease_ttl_s)
+                        now + self.lease_ttl_s, lease.granted_at)
         held[lease_id] = renewed
         return renewed
 
@@ -259,9 +260,17 @@ class Ledger:
         for lease in victims:
             del self.leases[lease.lease_id]
             self._return(lease)
+            self._unreserve_minute(lease)
             self.revoked[lease.lease_id] = lease
             self.revocations.append(lease)
         return True
+
+    def _unreserve_minute(self, lease: Lease) -> None:
+        """A revoked lease's tokens leave its team's rolling minute: the run again is what counts, once."""
+        try:
+            self._team(lease.team).recent.remove((lease.granted_at, lease.tokens))
+        except ValueError:
+            pass  # out of the minute already, or restored by a new leader (which keeps no minute of it)
 
     def _fits_without(self, waiter: Waiter, leases: list[Lease]) -> bool:
         pool = self.pool
@@ -270,7 +279,8 @@ class Ledger:
         return not pool.max_concurrency or len(self.leases) - len(leases) < pool.max_concurrency
 
     def _grant(self, waiter: Waiter, now: float) -> Lease:
-        lease = Lease(waiter.ticket, waiter.team, waiter.klass, waiter.tokens, waiter.holder, now + self.lease_ttl_s)
+        lease = Lease(waiter.ticket, waiter.team, waiter.klass, waiter.tokens, waiter.holder, now + self.lease_ttl_s,
+                      now)
         self.leases[lease.lease_id] = lease
         t = self._team(waiter.team)
         t.leases += 1

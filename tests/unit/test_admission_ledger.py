@@ -152,6 +152,15 @@ def test_a_revoked_lease_holds_no_capacity_and_ends_as_any_lease_does():
     assert book.revoked == {} and book.used_tokens == 100 and sorted(book.leases) == ["i1", "i2"]
 
 
+def test_a_revoked_lease_does_not_count_against_its_teams_tokens_per_minute():
+    book = ledger(batch_share=1.0, teams={"bulk": TeamLimits(tokens_per_minute=100)})
+    assert isinstance(ask(book, "b1", 60, team="bulk", klass=BATCH), Grant)
+    assert isinstance(ask(book, "i1", 80, team="other"), Grant)  # revokes b1
+    book.release("b1", 1.0)
+    again = ask(book, "b1-again", 60, team="bulk", klass=BATCH, now=1.0)  # the line sent again: its minute is free
+    assert not isinstance(again, Reject)
+
+
 def test_a_queued_interactive_request_revokes_when_capacity_frees():
     book = ledger(batch_share=1.0)
     ask(book, "i0", 60)
