@@ -35,18 +35,25 @@ async def ensure_bucket(bus: Bus, bucket: str) -> KeyValue:
 
 
 async def get_last(bus: Bus, bucket: str, key: str) -> tuple[bytes | None, int]:
+    data, revision, _ = await get_last_with_headers(bus, bucket, key)
+    return data, revision
+
+
+async def get_last_with_headers(bus: Bus, bucket: str, key: str) -> tuple[bytes | None, int, dict[str, str]]:
+    """As ``get_last``, with the headers its last write carried (those of a delete or expiry marker if gone)."""
     try:
         msg = await bus.js.get_last_msg(f"KV_{bucket}", f"$KV.{bucket}.{key}")
     except NotFoundError:
-        return None, 0
+        return None, 0, {}
     headers = msg.headers or {}
     if not msg.data or headers.get("KV-Operation") in ("DEL", "PURGE") or "Nats-Marker-Reason" in headers:
-        return None, msg.seq or 0
-    return msg.data, msg.seq or 0
+        return None, msg.seq or 0, headers
+    return msg.data, msg.seq or 0, headers
 
 
-async def cas_put(bus: Bus, bucket: str, key: str, data: bytes, revision: int, ttl_s: float | None = None) -> int:
-    headers = {"Nats-Expected-Last-Subject-Sequence": str(revision)}
+async def cas_put(bus: Bus, bucket: str, key: str, data: bytes, revision: int, ttl_s: float | None = None,
+                  extra_headers: dict[str, str] | None = None) -> int:
+    headers = {**(extra_headers or {}), "Nats-Expected-Last-Subject-Sequence": str(revision)}
     if ttl_s is not None:
         headers["Nats-TTL"] = f"{max(1, math.ceil(ttl_s))}s"
     try:

@@ -5,6 +5,11 @@ renewed every TTL/3. A replica that finds the key absent (never written, or expi
 died or stalled) creates it with CAS; of several, one wins. A leader whose renewal fails, or that
 has not renewed for TTL - one renewal period, steps down before anyone else can have taken over
 (the key it held cannot have expired yet), so two replicas never serve at once.
+
+Each write carries the replica's term (a random token; its id alone is not enough, a restarted replica
+reuses it). A write whose acknowledgement was lost (it timed out on a loaded machine, yet landed) leaves
+the key one revision past the one the replica knows: its next renewal then conflicts, and finding its own
+term on the key it goes on from that revision instead of stepping down with no leader for a whole TTL.
 """
 
 from __future__ import annotations
@@ -12,13 +17,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 
 from shared.bus import Bus
-from shared.kv_cas import CasConflict, cas_put, get_last
+from shared.kv_cas import CasConflict, cas_put, get_last_with_headers
 from shared.tasks import cancel_and_wait
 
 LEADER_KEY = "leader"
+TERM_HEADER = "Infermesh-Leader-Term"
 
 
 class Leadership:
@@ -31,6 +38,7 @@ class Leadership:
         self._on_elected, self._on_deposed = on_elected, on_deposed
         self.is_leader = False
         self._revision = 0
+        self._term = uuid.uuid4().hex  # which writes of the key are this replica's
         self._renewed_at = 0.0
         self._task: asyncio.Task[None] | None = None
 
@@ -68,12 +76,11 @@ class Leadership:
             await asyncio.sleep(period)
 
     async def _campaign(self) -> None:
-        holder, revision = await get_last(self._bus, self._bucket, LEADER_KEY)
-        if holder is not None:
-            return  # someone leads
+        holder, revision, headers = await get_last_with_headers(self._bus, self._bucket, LEADER_KEY)
+        if holder is not None and headers.get(TERM_HEADER) != self._term:
+            return  # someone leads (if it is our own write, a campaign whose ack was lost, we take it up again)
         try:
-            self._revision = await cas_put(self._bus, self._bucket, LEADER_KEY, self.candidate_id.encode(), revision,
-                                           self.ttl_s)
+            self._revision = await self._write(revision)
         except CasConflict:
             return
         self._renewed_at = time.monotonic()
@@ -83,11 +90,20 @@ class Leadership:
 
     async def _renew(self) -> None:
         try:
-            self._revision = await cas_put(self._bus, self._bucket, LEADER_KEY, self.candidate_id.encode(),
-                                           self._revision, self.ttl_s)
-            self._renewed_at = time.monotonic()
+            self._revision = await self._write(self._revision)
         except CasConflict:
-            await self._step_down("another replica holds the key")
+            holder, revision, headers = await get_last_with_headers(self._bus, self._bucket, LEADER_KEY)
+            if holder is None or headers.get(TERM_HEADER) != self._term:
+                await self._step_down("another replica holds the key" if holder else "the key lapsed")
+                return
+            self._log.info("%s %s: a renewal whose ack was lost had landed; going on from it", self._service,
+                           self.candidate_id)
+            self._revision = await self._write(revision)
+        self._renewed_at = time.monotonic()
+
+    async def _write(self, revision: int) -> int:
+        return await cas_put(self._bus, self._bucket, LEADER_KEY, self.candidate_id.encode(), revision, self.ttl_s,
+                             {TERM_HEADER: self._term})
 
     async def _step_down(self, why: str) -> None:
         self.is_leader = False
