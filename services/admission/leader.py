@@ -49,11 +49,18 @@ class Leadership:
         await cancel_and_wait(self._task)
         if self.is_leader:
             await self._step_down("stopping")
-            try:  # hand over at once instead of after the TTL
+            await self._release_key()
+
+    async def _release_key(self) -> None:
+        """Hand over at once instead of after the TTL. The key is read first: a renewal cancelled by the stop
+        may have landed after all, one revision past the one we know (CI saw the delete refused so)."""
+        try:
+            holder, revision, headers = await get_last_with_headers(self._bus, self._bucket, LEADER_KEY)
+            if holder is not None and headers.get(TERM_HEADER) == self._term:
                 kv = await self._bus.js.key_value(self._bucket)
-                await kv.delete(LEADER_KEY, last=self._revision)
-            except Exception as exc:
-                self._log.warning("could not release the leader key: %s", exc)
+                await kv.delete(LEADER_KEY, last=revision)
+        except Exception as exc:
+            self._log.warning("could not release the leader key: %s", exc)
 
     def still_leader(self) -> bool:
         """True while our key cannot have expired (checked before every grant)."""
@@ -86,7 +93,12 @@ class Leadership:
         self._renewed_at = time.monotonic()
         self.is_leader = True
         self._log.info("%s %s is the leader", self._service, self.candidate_id)
-        await self._on_elected()
+        try:
+            await self._on_elected()
+        except Exception as exc:  # (it could not read the state it takes over): a leader serving nothing is worse
+            await self._step_down(f"could not take over: {exc}")
+            await self._release_key()
+            raise
 
     async def _renew(self) -> None:
         try:

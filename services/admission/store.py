@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 
-from nats.js.errors import NotFoundError
+from nats.js.errors import NoKeysError, NotFoundError
 from nats.js.kv import KeyValue
 
 from services.admission.budgets import HoldChanges
@@ -49,7 +49,7 @@ class LeaseStore:
         """Every lease record and hold in the bucket; the records of leases that already left a hold are deleted."""
         try:
             keys = await self.kv.keys()
-        except Exception:  # no keys at all
+        except NoKeysError:  # (any other error is raised: a leader that read nothing would forget every lease)
             keys = []
         holds = [hold for key in keys if key.startswith(HOLD)
                  if (hold := await self._get(key, BudgetHold)) is not None]

@@ -63,6 +63,24 @@ async def test_a_write_whose_ack_was_lost_is_led_on_from(nats_url, namespace, mo
         await bus.close()
 
 
+async def test_a_stop_releases_the_key_though_its_last_write_was_never_acknowledged(nats_url, namespace,
+                                                                                      monkeypatch):
+    """CI saw a stop's delete refused ('wrong last sequence'): the standby then waited out the TTL."""
+    writes = LosesOneAck(2)
+    monkeypatch.setattr(leader_module, "cas_put", writes)
+    bus = await Bus.connect(nats_url, namespace, "test-admission")
+    leadership, events = await _leadership(bus)
+    await leadership.start()
+    try:
+        await eventually(lambda: len(writes.calls) == 2, 10, 0.01)  # the first renewal landed, unacknowledged
+        await leadership.stop()
+        assert events == ["elected", "deposed"]
+        data, _ = await get_last(bus, bus.subjects.leases_bucket, LEADER_KEY)
+        assert data is None  # released at once
+    finally:
+        await bus.close()
+
+
 async def test_a_key_held_under_another_term_is_not_taken(nats_url, namespace):
     """The same replica id restarted (a new term) while the old process's key lives: it waits, as for anyone."""
     bus = await Bus.connect(nats_url, namespace, "test-admission")

@@ -17,10 +17,14 @@ from tests.utils import eventually
 
 
 async def test_a_deadline_fires_on_time_when_the_loop_runs():
-    fired = asyncio.Event()
-    deadline = PatientDeadline(asyncio.get_running_loop(), 0.05, fired.set)
+    loop = asyncio.get_running_loop()
+    fired, armed_at = asyncio.Event(), loop.time()
+    deadline = PatientDeadline(loop, 0.05, fired.set)
     await asyncio.wait_for(fired.wait(), 5)
-    assert deadline.deferrals == 0 and not deadline.armed
+    assert not deadline.armed
+    # deferred only if this (shared, loaded) machine really held the loop up meanwhile (CI once did)
+    stalled = [stall for stall in deadlines.loop_stalls(loop).stalls if stall[1] > armed_at]
+    assert deadline.deferrals == 0 or stalled, deadline.deferrals
 
 
 async def test_a_deadline_that_fires_late_waits_a_grace_then_holds():
