@@ -54,6 +54,7 @@ from shared.batch_schema import (
 )
 from shared.bus import Bus
 from shared.nats_auth import NatsCredentials
+from shared.telemetry import traced
 
 READ_TIMEOUT_S = 10.0  # a message the stream says it holds comes at once; this long means the bus is gone
 
@@ -110,7 +111,7 @@ class BatchClient:
                              "upload the file with /v1/files and create the batch with /v1/batches")
         s = self.bus.subjects
         await self.bus.js.publish(s.batch_submit(self.team), message, stream=s.batch_submit_stream,
-                                  headers={"Nats-Msg-Id": submit_id})
+                                  headers=traced({"Nats-Msg-Id": submit_id}))
         return job_id_for(self.team, submit_id)
 
     # ------------------------------------------------------------ out

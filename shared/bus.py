@@ -147,7 +147,7 @@ class Bus:
 
     async def respond(self, raw: Msg, message: Any) -> None:
         if is_reply_inbox(raw.reply):
-            await self.nc.publish(raw.reply, schema.encode(message))
+            await self.nc.publish(raw.reply, schema.encode(message), headers=inject_headers())
         elif raw.reply:
             log.warning("not answering %s on %r: a reply goes to an inbox only", raw.subject, raw.reply)
 
@@ -170,13 +170,14 @@ class TokenStreamSender:
         self._request_id = request_id
         self._seq = 0
         self.closed = False
+        self._headers = inject_headers()  # the trace context it is created in (once: not per token)
 
     def _next_seq(self) -> int:
         self._seq += 1
         return self._seq
 
     async def _send(self, message: StreamMessage) -> None:
-        await self._bus.nc.publish(self._subject, schema.encode(message))
+        await self._bus.nc.publish(self._subject, schema.encode(message), headers=self._headers)
 
     async def tokens(self, token_ids: list[int]) -> None:
         await self._send(TokenChunk(self._source_id, self._next_seq(), schema.now(), self._request_id, token_ids))

@@ -47,6 +47,7 @@ from nats.js.kv import MSG_ROLLUP_SUBJECT
 
 from shared.batch_schema import MAX_BATCH_FILE_BYTES, MAX_FILE_ID, FilePurpose
 from shared.bus import Bus
+from shared.telemetry import traced
 
 log = logging.getLogger("infermesh.files")
 
@@ -206,7 +207,7 @@ class FileStore:
                 "deleted": True, "mtime": ""}
         try:
             await self.bus.js.publish(_meta_subject(self.bucket, file_id), json.dumps(gone).encode(),
-                                      headers={"Nats-Rollup": MSG_ROLLUP_SUBJECT})
+                                      headers=traced({"Nats-Rollup": MSG_ROLLUP_SUBJECT}))
         finally:
             await self._purge(info.nuid)
         return FileDeleted(id=file_id)
@@ -331,7 +332,7 @@ class FileWriter:
                 "headers": {name: [value] for name, value in zip(_HEADERS, values, strict=True)},
                 "options": {"max_chunk_size": CHUNK_BYTES}}
         await self.store.bus.js.publish(_meta_subject(self.store.bucket, self.file_id), json.dumps(info).encode(),
-                                        headers={"Nats-Rollup": MSG_ROLLUP_SUBJECT})
+                                        headers=traced({"Nats-Rollup": MSG_ROLLUP_SUBJECT}))
         return file
 
     async def abort(self) -> None:
@@ -345,7 +346,7 @@ class FileWriter:
 
     async def _publish(self, chunk: bytes) -> None:
         self._digest.update(chunk)
-        await self.store.bus.js.publish(self._subject, chunk)
+        await self.store.bus.js.publish(self._subject, chunk, headers=traced())
         self.num_chunks += 1
 
 

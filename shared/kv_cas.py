@@ -17,6 +17,7 @@ from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from shared.bus import Bus
+from shared.telemetry import traced
 
 WRONG_LAST_SEQUENCE = 10071  # JetStream's error code for a failed expected-last-sequence check
 MARKER_TTL_S = 10
@@ -53,7 +54,7 @@ async def get_last_with_headers(bus: Bus, bucket: str, key: str) -> tuple[bytes 
 
 async def cas_put(bus: Bus, bucket: str, key: str, data: bytes, revision: int, ttl_s: float | None = None,
                   extra_headers: dict[str, str] | None = None) -> int:
-    headers = {**(extra_headers or {}), "Nats-Expected-Last-Subject-Sequence": str(revision)}
+    headers = traced({**(extra_headers or {}), "Nats-Expected-Last-Subject-Sequence": str(revision)}) or {}
     if ttl_s is not None:
         headers["Nats-TTL"] = f"{max(1, math.ceil(ttl_s))}s"
     try:

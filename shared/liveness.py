@@ -41,6 +41,7 @@ from shared import schema
 from shared.bus import Bus, BusError, is_reply_inbox
 from shared.schema import EdgePong, WorkerInfo, WorkerPong
 from shared.tasks import cancel_and_wait
+from shared.telemetry import trace_context_of, traced
 
 log = logging.getLogger(__name__)
 TICK_S = 0.25  # how often the watched loop proves it runs
@@ -137,7 +138,10 @@ class LivenessThread:
         self._stopping = asyncio.Event()
         bus = await self._connect()
         try:
-            await bus.nc.subscribe(self._beacon.ping_subject, cb=self._on_ping)
+            async def on_ping(msg: Msg) -> None:
+                await self._on_ping(bus, msg)
+
+            await bus.nc.subscribe(self._beacon.ping_subject, cb=on_ping)
             await self._beat(bus)
             self._ready.set_result(None)
             while not self._stopping.is_set():
@@ -167,13 +171,14 @@ class LivenessThread:
     async def _beat(self, bus: Bus) -> None:
         beacon = self._beacon
         subject = f"$KV.{beacon.bucket}.{beacon.key}"
-        await bus.js.publish(subject, schema.encode(beacon.payload()), headers={"Nats-TTL": self._ttl})
+        await bus.js.publish(subject, schema.encode(beacon.payload()), headers=traced({"Nats-TTL": self._ttl}))
         self.num_beats += 1
 
-    async def _on_ping(self, msg: Msg) -> None:
+    async def _on_ping(self, bus: Bus, msg: Msg) -> None:
         now = self._clock()
         if is_reply_inbox(msg.reply) and self._watch.responsive(now):
-            await msg.respond(schema.encode(self._beacon.pong(self._watch.lag(now))))
+            await bus.nc.publish(msg.reply, schema.encode(self._beacon.pong(self._watch.lag(now))),
+                                 headers=trace_context_of(msg.headers))  # the pinger's, as any reply carries
 
 
 async def tick_forever(watch: LoopWatch, clock: Callable[[], float] = time.monotonic) -> None:

@@ -25,6 +25,7 @@ from nats.js.errors import BadRequestError
 from shared import schema
 from shared.bus import Bus
 from shared.schema import OrphanUsage
+from shared.telemetry import traced
 
 log = logging.getLogger("infermesh.orphans")
 RETENTION_S = 7 * 24 * 3600.0  # as the usage stream: no edge may be up for this long without losing a report
@@ -58,7 +59,7 @@ class OrphanPublisher:
         self.lost = 0
 
     async def publish(self, report: OrphanUsage) -> bool:
-        data, headers = schema.encode(report), {"Nats-Msg-Id": orphan_msg_id(report)}
+        data, headers = schema.encode(report), traced({"Nats-Msg-Id": orphan_msg_id(report)})
         deadline, delay = time.monotonic() + self.give_up_s, 0.05
         while True:
             try:

@@ -50,6 +50,21 @@ def inject_headers() -> dict[str, str] | None:
     return carrier or None
 
 
+def traced(headers: dict[str, str] | None = None) -> dict[str, str] | None:
+    """``headers`` plus the current span's trace context: what every publish on the bus sends."""
+    carried = inject_headers()
+    if carried is None:
+        return headers
+    return {**carried, **headers} if headers else carried
+
+
+def trace_context_of(headers: Mapping[str, str] | None) -> dict[str, str] | None:
+    """The W3C trace-context headers among a message's headers (what a raw reply passes on), or None."""
+    if not headers or "traceparent" not in headers:
+        return None
+    return {name: headers[name] for name in ("traceparent", "tracestate") if name in headers}
+
+
 def extract_context(headers: Mapping[str, str] | None) -> context.Context | None:
     """The trace context a message's headers carry; None when they carry none."""
     if not headers or "traceparent" not in headers:

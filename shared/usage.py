@@ -25,6 +25,7 @@ from nats.js.errors import BadRequestError
 from shared import schema
 from shared.bus import Bus
 from shared.schema import UsageEvent
+from shared.telemetry import traced
 
 log = logging.getLogger("infermesh.usage")
 RETENTION_S = 7 * 24 * 3600.0  # metering may be away this long without losing usage
@@ -68,7 +69,7 @@ class UsagePublisher:
 
     async def publish(self, event: UsageEvent) -> int:
         """The message's stream sequence once JetStream has it (retried while NATS is away); 0 if lost."""
-        data, headers = schema.encode(event), {"Nats-Msg-Id": dedupe_id(event)}
+        data, headers = schema.encode(event), traced({"Nats-Msg-Id": dedupe_id(event)})
         deadline, delay = time.monotonic() + self.give_up_s, 0.05
         while True:
             try:

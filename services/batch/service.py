@@ -42,6 +42,7 @@ from shared.batch_schema import (
 from shared.bus import Bus
 from shared.files import FileNotFound, FileStore, ensure_files_bucket
 from shared.kv_cas import ensure_bucket
+from shared.telemetry import traced
 
 log = logging.getLogger("infermesh.batch")
 WINDOW_S = {"24h": 24 * 3600}
@@ -108,7 +109,7 @@ class BatchService:
     async def _save(self, record: BatchJobRecord) -> BatchJobRecord:
         await store.save_job(self.engine, record)
         await self.bus.js.publish(self.bus.subjects.batch_events(record.team, record.id), msgspec.json.encode(record),
-                                  stream=self.bus.subjects.batch_events_stream)
+                                  stream=self.bus.subjects.batch_events_stream, headers=traced())
         return record
 
     # ------------------------------------------------------------ the API for edges

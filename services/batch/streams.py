@@ -21,6 +21,7 @@ from nats.js.errors import BadRequestError
 
 from shared.batch_schema import BatchLineResult
 from shared.bus import Bus
+from shared.telemetry import traced
 
 log = logging.getLogger("infermesh.batch")
 DAY_S = 24 * 3600.0
@@ -51,7 +52,7 @@ def result_id(result: BatchLineResult) -> str:
 
 async def publish_result(bus: Bus, team: str, result: BatchLineResult) -> None:
     await bus.js.publish(bus.subjects.batch_results(team, result.job_id), msgspec.json.encode(result),
-                         stream=bus.subjects.batch_results_stream, headers={"Nats-Msg-Id": result_id(result)})
+                         stream=bus.subjects.batch_results_stream, headers=traced({"Nats-Msg-Id": result_id(result)}))
 
 
 async def read_results(bus: Bus, team: str, job_id: str) -> dict[int, BatchLineResult]:

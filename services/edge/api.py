@@ -13,14 +13,14 @@ import asyncio
 import logging
 import time
 import uuid
-from contextlib import aclosing, nullcontext
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 import msgspec
 from opentelemetry import trace
-from opentelemetry.propagate import extract
 
+from services.edge import tracing
 from services.edge.admission import CLASSES
 from services.edge.attempt import StreamBroken, Usage
 from services.edge.config import EdgeConfig
@@ -34,10 +34,8 @@ from services.edge.tokenizer import ModelTokenizer
 from services.edge.tools import ContentDelta, ToolCallParser, ToolLimits, make_parser
 from shared import errors
 from shared.schema import BillingContext, LeaseRelease, UsageEvent
-from shared.telemetry import tracer, tracing_enabled
 
 log = logging.getLogger("infermesh.edge")
-_tracer = tracer("infermesh.edge")
 _json = msgspec.json.Encoder()
 
 
@@ -119,23 +117,22 @@ class EdgeApi:
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         request_id = request.request_id or uuid.uuid4().hex
         response_id = f"{prefix}-{request_id}"
-        span = trace.INVALID_SPAN  # a no-op span unless a tracer provider is installed
-        if tracing_enabled():
-            span = _tracer.start_span(f"POST {request.path}", context=extract(request.headers),
-                                      kind=trace.SpanKind.SERVER)
-            span.set_attributes({"infermesh.request_id": request_id, "gen_ai.request.model": model,
-                                 "infermesh.num_prompt_tokens": len(prompt_ids), "infermesh.stream": stream})
         hints = RouteHints(self._session_id(request, prepared), prepared.cache_salt)
+        span = tracing.start_request_span(kind, request.path, request.headers, request_id, model, len(prompt_ids),
+                                          stream, caller.team, hints.session_id)
         klass = self._request_class(request)
-        lease = None
+        lease, timing = None, _Timing(arrived)
         if self.mesh.admission is not None:  # no lease, no request: 429 / 503 before anything is routed
             try:
-                lease = await self.mesh.acquire(caller.team, klass, model, len(prompt_ids), params.max_tokens,
-                                                self.config.admission_wait_s)
+                with tracing.child_span(span, "admission.acquire", trace.SpanKind.CLIENT,
+                                        {"infermesh.request_class": klass}):
+                    lease = await self.mesh.acquire(caller.team, klass, model, len(prompt_ids), params.max_tokens,
+                                                    self.config.admission_wait_s)
             except errors.ApiError as exc:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
                 span.end()
                 raise
+            timing.admitted = time.time()
         trace_id = _trace_id(span, request.headers)
         billing = BillingContext(request_id=request_id, attempt=0, team=caller.team, key_prefix=caller.key_prefix,
                                  model=model, request_class=klass, worker_id="", trace_id=trace_id,
@@ -144,12 +141,12 @@ class EdgeApi:
                                 self._max_migrations(request))
         run.lease_deployment = lease[0].name if lease is not None else ""
         bill = _Bill(request_id, caller, model, arrived, lease, asyncio.get_running_loop().create_future(),
-                     run.usage_so_far, trace_id, request.batch_id)
-        events = _then(self._revocable(self.mesh.generate(run, bill.settle), klass, bill),
-                       lambda: self._spawn_bill(bill))
+                     run.usage_so_far, trace_id, request.batch_id, span=span)
+        events = tracing.in_span(_then(self._revocable(self.mesh.generate(run, bill.settle), klass, bill),
+                                       lambda: self._spawn_bill(bill)), span)
         try:
-            with trace.use_span(span, end_on_exit=False) if span.is_recording() else nullcontext():
-                first = await events.__anext__()
+            first = await events.__anext__()
+            timing.first_token = time.time()
         except errors.ApiError as exc:
             span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
             span.end()
@@ -158,10 +155,14 @@ class EdgeApi:
             span.end()
             raise
         shape = _Shape(kind, response_id, model, parser(request_id[:16]) if parser else None)
+        headers = _trace_headers(request_id, span)
         if stream:  # where the first token came from (a migration may move the rest elsewhere)
             return SseReply(self._sse_body(first, events, shape, include_usage, span),
-                            {"x-infermesh-deployment": run.deployment or self.mesh.local.name})
-        return await self._complete(first, events, shape, span)
+                            {"x-infermesh-deployment": run.deployment or self.mesh.local.name, **headers})
+        reply = await self._complete(first, events, shape, span)
+        timing.route_s = run.route_s
+        reply.headers = {**(reply.headers or {}), **headers, "server-timing": timing.header()}
+        return reply
 
     def _revocable(self, events: AsyncIterator[str | Usage], klass: str, bill: _Bill) -> AsyncIterator[str | Usage]:
         """A batch-class request's events end in 429 ``preempted`` if admission revokes its lease (unbilled)."""
@@ -185,6 +186,10 @@ class EdgeApi:
         except asyncio.TimeoutError:
             log.warning("request %s: no final counts after its cancellation; billing what was seen", bill.request_id)
             usage = bill.seen()
+        with tracing.child_span(bill.span, "usage.publish", trace.SpanKind.PRODUCER) as span:
+            await self._publish_usage(bill, usage, span)
+
+    async def _publish_usage(self, bill: _Bill, usage: Usage | None, span: trace.Span | None) -> None:
         seq = 0
         if usage is not None and not bill.preempted:  # a preempted attempt is the platform's loss, never billed
             seq = await self.mesh.usage.publish(UsageEvent(
@@ -193,6 +198,8 @@ class EdgeApi:
                 usage.completion_tokens, round(usage.ttft_ms, 3), round(1000 * (time.time() - bill.arrived), 3),
                 usage.worker_id, usage.prefill_worker_id, bill.trace_id, bill.arrived, usage.migrations,
                 usage.migration_prefill_tokens, usage.deployment or self.mesh.local.name, bill.batch_id))
+        if span is not None:
+            span.set_attributes({"infermesh.usage_seq": seq, "infermesh.billed": bool(seq)})
         if bill.lease is not None and bill.lease[0].admission is not None:
             link, lease_id = bill.lease
             spent = None
@@ -240,7 +247,7 @@ class EdgeApi:
             while not isinstance(item, Usage):
                 parts.append(item)
                 item = await events.__anext__()
-            _record(span, item)
+            _record(span, shape.id, item)
         except StreamBroken as exc:
             raise errors.engine_failed(f"The engine failed mid-generation: {exc}") from exc
         finally:
@@ -262,7 +269,7 @@ class EdgeApi:
                     yield head + out
                     head = b""
                 item = await events.__anext__()
-            _record(span, item)
+            _record(span, shape.id, item)
             tail = shape.closing_chunks(item.finish_reason, include_usage)
             if include_usage:
                 tail += _sse(shape.usage_chunk(item))
@@ -326,6 +333,7 @@ class _Bill:
     trace_id: str
     batch_id: str = ""  # a batch line's job: billed at the batch price
     preempted: bool = False  # admission revoked its lease before it ended: not billed (a batch line runs again)
+    span: trace.Span = trace.INVALID_SPAN  # the request's SERVER span (its billing is a child)
 
     def settle(self, usage: Usage | None) -> None:
         if not self.settled.done():
@@ -341,11 +349,31 @@ def _trace_id(span: trace.Span, headers: Any) -> str:
     return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else ""
 
 
-def _record(span: trace.Span, done: Usage) -> None:
-    span.set_attributes({"infermesh.worker_id": done.worker_id, "infermesh.deployment": done.deployment,
-                         "gen_ai.response.finish_reasons": [done.finish_reason],
-                         "gen_ai.usage.output_tokens": done.completion_tokens,
-                         "infermesh.num_cached_tokens": done.cached_tokens, "infermesh.migrations": done.migrations})
+def _record(span: trace.Span, response_id: str, done: Usage) -> None:
+    tracing.record_usage(span, response_id, done.worker_id, done.deployment, done.finish_reason, done.prompt_tokens,
+                         done.cached_tokens, done.completion_tokens, done.migrations)
+
+
+def _trace_headers(request_id: str, span: trace.Span) -> dict[str, str]:
+    """What every response carries back: its request id, and its trace (the SERVER span) where it is traced."""
+    parent = tracing.traceparent(span)
+    return {"x-request-id": request_id, "traceparent": parent} if parent else {"x-request-id": request_id}
+
+
+@dataclass(slots=True)
+class _Timing:
+    """When a request passed each stage (wall clock), for ``Server-Timing`` on a whole response."""
+
+    arrived: float
+    admitted: float = 0.0
+    first_token: float = 0.0
+    route_s: float = 0.0
+
+    def header(self) -> str:
+        admitted = self.admitted or self.arrived
+        parts = [("admission", admitted - self.arrived), ("routing", self.route_s),
+                 ("first-token", (self.first_token or admitted) - self.arrived)]
+        return ", ".join(f"{name};dur={1000 * seconds:.1f}" for name, seconds in parts)
 
 
 class _Shape:

@@ -189,6 +189,7 @@ class RequestRun:
     migrations: int = 0
     migration_prefill_tokens: int = 0
     ttft_ms: float = 0.0
+    route_s: float = 0.0  # time spent waiting for the router's answers (every attempt's)
     usage: Usage | None = None
     settled: bool = False
     draining_prefill: bool = False  # the client left during the remote prefill: its stream is drained

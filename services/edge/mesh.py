@@ -37,7 +37,9 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Iterable
 
 import msgspec
+from opentelemetry import trace
 
+from services.edge import tracing
 from services.edge.attempt import (
     TERMINAL,
     Abort,
@@ -96,6 +98,11 @@ class _Wire:
 
     streams: dict[str, TokenStream] = field(default_factory=dict)
     links: dict[str, Link] = field(default_factory=dict)  # worker id or stream id -> its deployment's link
+    attempt_span: trace.Span = trace.INVALID_SPAN  # the current attempt's (ended when the next one starts)
+
+    def next_attempt(self, run: RequestRun, excluded: list[str]) -> None:
+        self.attempt_span.end()
+        self.attempt_span = tracing.start_attempt(run.attempt.index, excluded, len(run.output))
 
 
 class EdgeMesh:
@@ -314,6 +321,7 @@ class EdgeMesh:
                  on_settled: Callable[[Usage | None], None]) -> None:
         """The generator ended (or was closed): what is queued still happens; a live request is cancelled."""
         rest = [a for a in queue if not isinstance(a, (Emit, Finish, Fail))]
+        wire.attempt_span.end()
         if run.phase not in TERMINAL:
             rest += run.client_left()
         if rest or wire.streams:
@@ -346,14 +354,24 @@ class EdgeMesh:
                 log.warning("request %s failed on %s (%s tokens sent): %s elsewhere", run.request_id,
                             action.request.exclude_worker_ids[-1], len(run.output),
                             "migrating" if run.output else "retrying")
+            wire.next_attempt(run, action.request.exclude_worker_ids)
+            asked = time.monotonic()
             try:
-                link, decision = await self.failover.route(action.request, self.route, run.lease_deployment)
+                with tracing.current(wire.attempt_span):
+                    link, decision = await self.failover.route(action.request, self.route, run.lease_deployment)
             except errors.ApiError as exc:
+                wire.attempt_span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
                 return run.route_failed(exc)
+            finally:
+                run.route_s += time.monotonic() - asked
+            wire.attempt_span.set_attributes({"infermesh.worker_id": decision.worker_id,
+                                              "infermesh.prefill_worker_id": decision.prefill_worker_id,
+                                              "infermesh.deployment": link.name})
             wire.links[decision.worker_id] = wire.links[decision.prefill_worker_id] = link
             return run.routed(decision, time.monotonic(), link.name)
         if isinstance(action, Send):
-            await self._send(action, wire)
+            with tracing.current(wire.attempt_span):
+                await self._send(action, wire)
         elif isinstance(action, Report):
             self._report(wire.links[action.worker_id].bus, action)
         elif isinstance(action, Abort):

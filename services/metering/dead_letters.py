@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 from shared import schema
 from shared.bus import Bus
 from shared.schema import DeadLetter, DeadLetterReason
+from shared.telemetry import traced
 from shared.usage import dead_letter_id, ensure_dead_letter_stream
 
 log = logging.getLogger("infermesh.metering")
@@ -47,7 +48,7 @@ class DeadLetters:
         log.error("usage message (seq %d) dead-lettered as %s: %s", letter.stream_seq, reason, letter.error)
         try:
             await self.bus.js.publish(self.bus.subjects.usage_dead_letters, schema.encode(letter),
-                                      headers={"Nats-Msg-Id": dead_letter_id(letter.stream_seq)},
+                                      headers=traced({"Nats-Msg-Id": dead_letter_id(letter.stream_seq)}),
                                       timeout=PUBLISH_TIMEOUT_S)
         except Exception as exc:
             log.warning("cannot dead-letter usage message (seq %d): %s; it will come back", letter.stream_seq, exc)

@@ -46,7 +46,7 @@ from shared.schema import (
     WorkerInfo,
 )
 from shared.tasks import cancel_and_wait
-from shared.telemetry import tracer
+from shared.telemetry import traced, tracer
 
 log = logging.getLogger("infermesh.worker")
 _tracer = tracer("infermesh.worker")
@@ -312,14 +312,14 @@ class WorkerService:
             except asyncio.TimeoutError:
                 pass
             self._load_changed.clear()
-            await self.bus.nc.publish(subject, schema.encode(self.load_snapshot()))
+            await self.bus.nc.publish(subject, schema.encode(self.load_snapshot()), headers=traced())
             await asyncio.sleep(self.config.load_min_interval_s)
 
     async def _publish_kv_events_loop(self) -> None:
         subject = self.bus.subjects.kv_events(self.worker_id)
         async for events in self.engine.kv_events():
             batch = self.kv_log.record(events)  # numbered, kept for replay, mirrored for snapshots
-            await self.bus.nc.publish(subject, schema.encode(batch))
+            await self.bus.nc.publish(subject, schema.encode(batch), headers=traced())
 
     async def _on_kv_replay(self, request: KvReplayRequest, raw: Msg) -> None:
         batches = self.kv_log.replay(request.after_seq, request.max_tokens)

@@ -311,7 +311,7 @@ async def test_every_usage_row_carries_its_requests_trace_id(nats_url, namespace
         await eventually(lambda: mesh.meterings[0].stats["inserted"] >= 3, 10)
         rows = await ledger_rows(ledger_url)
         edge_spans = {s.attributes.get("infermesh.request_id"): s for s in span_exporter.get_finished_spans()
-                      if s.name == "POST /v1/completions"}
+                      if s.name == "text_completion tiny"}
         for reply in replies:
             request_id = reply.id.removeprefix("cmpl-")
             assert rows[request_id].trace_id == format(edge_spans[request_id].context.trace_id, "032x")

@@ -163,13 +163,24 @@ async def test_wrong_method_and_unknown_route_are_openai_shaped(mesh):
 
 async def test_one_trace_spans_edge_router_and_worker(client, span_exporter):
     span_exporter.clear()
-    await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4)
-    await eventually(lambda: any(s.name == "worker.generate" for s in span_exporter.get_finished_spans()), 2)
+    raw = await client.chat.completions.with_raw_response.create(model="tiny", messages=MESSAGES, max_tokens=4)
+    names = lambda: {s.name for s in span_exporter.get_finished_spans()}  # noqa: E731
+    await eventually(lambda: {"worker.generate", "usage.publish"} <= names(), 2)
     spans = span_exporter.get_finished_spans()
     by_name = {s.name: s for s in spans}
-    edge, router, worker = by_name["POST /v1/chat/completions"], by_name["router.route"], by_name["worker.generate"]
-    assert edge.context.trace_id == router.context.trace_id == worker.context.trace_id
-    assert router.parent.span_id == edge.context.span_id and worker.parent.span_id == edge.context.span_id
+    edge, attempt = by_name["chat tiny"], by_name["attempt"]
+    router, worker, usage = by_name["router.route"], by_name["worker.generate"], by_name["usage.publish"]
+    assert len({s.context.trace_id for s in (edge, attempt, router, worker, usage)}) == 1
+    assert attempt.parent.span_id == usage.parent.span_id == edge.context.span_id
+    assert router.parent.span_id == worker.parent.span_id == attempt.context.span_id
+    assert edge.attributes["gen_ai.operation.name"] == "chat" and edge.attributes["gen_ai.usage.output_tokens"] == 4
+    assert attempt.attributes["infermesh.attempt.reason"] == "first"
+    # the response names its trace and request, and says where its time went
+    trace_id = f"{edge.context.trace_id:032x}"
+    assert raw.headers["traceparent"].split("-")[1] == trace_id
+    assert raw.headers["x-request-id"] == edge.attributes["infermesh.request_id"]
+    assert [part.split(";")[0] for part in raw.headers["server-timing"].split(", ")] == ["admission", "routing",
+                                                                                       "first-token"]
 
 
 async def test_first_token_timeout_is_a_503_and_aborts_the_engine(nats_url, namespace, tiny_model):
