@@ -101,6 +101,8 @@ class _Wire:
     attempt_span: trace.Span = trace.INVALID_SPAN  # the current attempt's (ended when the next one starts)
 
     def next_attempt(self, run: RequestRun, excluded: list[str]) -> None:
+        if excluded:  # the attempt before this one failed on its worker
+            self.attempt_span.set_status(trace.Status(trace.StatusCode.ERROR, f"failed on {excluded[-1]}"))
         self.attempt_span.end()
         self.attempt_span = tracing.start_attempt(run.attempt.index, excluded, len(run.output))
 

@@ -119,7 +119,8 @@ async def test_a_retried_request_is_one_trace_with_an_attempt_span_per_try(nats_
         first, second = attempts
         assert first.parent.span_id == second.parent.span_id == edge.context.span_id
         assert first.attributes["infermesh.worker_id"] == "bad"
-        assert first.attributes["infermesh.attempt.reason"] == "first"
+        assert first.attributes["infermesh.attempt.reason"] == "first" and not first.status.is_ok
+        assert second.status.is_unset
         assert second.attributes["infermesh.attempt.reason"] == "retry"
         assert second.attributes["infermesh.attempt.failed_worker_id"] == "bad"
         assert second.attributes["infermesh.worker_id"] == "good"
