@@ -18,6 +18,11 @@ Why watch afresh: nats-py's watcher notices a restarted server only after missed
 resumes by stream sequence, so a key that lapsed meanwhile, whose expiry marker is itself kept only 10 s
 (``kv_cas.MARKER_TTL_S``), never left the view. A fresh watch reads each key's last value; a key not in it is gone.
 
+Why not nats-py's end marker alone: it decides from the consumer's pending count read just after the watch
+starts, which can be 0 while the first entry is still on its way; a snapshot that ended there forgot every
+key. The snapshot ends at the entry the server sent with nothing more pending (its ``delta`` is 0), or at a
+marker that came after an entry or for a bucket that is empty (``shared.kv_keys`` does the same for listings).
+
 Why no ``wait_for`` around the watcher and a stopping flag: Python 3.11's ``asyncio.wait_for`` swallows a
 cancel that lands just as its get completes, so a follower cancelled during a burst went on applying the
 updates queued in nats-py's watcher (up to 255) while and after it stopped. This one reads the watcher as an
@@ -68,6 +73,10 @@ class KeyRevisions:
         if self._unseen is not None:
             self._unseen.discard(key)
         return self._held.pop(key, None) is not None
+
+    @property
+    def in_snapshot(self) -> bool:
+        return self._unseen is not None
 
     def end_snapshot(self) -> list[str]:
         gone, self._unseen = sorted(self._unseen or ()), None
@@ -138,18 +147,35 @@ class KvFollower(Generic[T]):
     async def _read(self, watcher: Any) -> None:
         """Deliver one watcher's updates until it is stopped (by ``stop`` or a reconnect)."""
         self._revisions.begin_snapshot()
+        delivered = 0
         async for entry in watcher:
             if self._stopping:
                 return
-            if entry is None:  # nats-py's marker: the keys already in the bucket are all delivered
-                for key in self._revisions.end_snapshot():
-                    self._forget(key)
-                self._synced.set()
-            elif entry.operation in ("DEL", "PURGE") or not entry.value:
+            if entry is None:  # nats-py's end marker: early (and then alone) when its first entry is in flight
+                if self._revisions.in_snapshot and (delivered or await self._bucket_is_empty()):
+                    self._end_snapshot()
+                continue
+            delivered += 1
+            if entry.operation in ("DEL", "PURGE") or not entry.value:
                 if self._revisions.delete(entry.key):
                     self._forget(entry.key)
             else:
                 self._put(entry.key, entry.value, entry.revision or 0)
+            if entry.delta == 0 and self._revisions.in_snapshot:  # the server had nothing more for this watch
+                self._end_snapshot()
+
+    def _end_snapshot(self) -> None:
+        for key in self._revisions.end_snapshot():
+            self._forget(key)
+        self._synced.set()
+
+    async def _bucket_is_empty(self) -> bool:
+        """Whether an end marker that came before any entry is true (see ``shared.kv_keys``)."""
+        try:
+            return (await (await ensure_bucket(self.bus, self.bucket)).status()).values == 0
+        except Exception as exc:  # NATS away: the next watch (after the reconnect) takes the snapshot again
+            log.debug("%s: cannot read the bucket's size: %s", self.what, exc)
+            return False
 
     def _put(self, key: str, data: bytes, revision: int) -> None:
         if not self._revisions.put(key, revision, data):

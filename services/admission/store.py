@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import logging
 
-from nats.js.errors import NoKeysError, NotFoundError
+from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
 from services.admission.budgets import HoldChanges
 from shared import schema
 from shared.bus import Bus
+from shared.kv_keys import live_keys
 from shared.schema import BudgetHold, LeaseRecord
 
 log = logging.getLogger("infermesh.admission")
@@ -47,10 +48,7 @@ class LeaseStore:
 
     async def load(self) -> tuple[list[LeaseRecord], list[BudgetHold]]:
         """Every lease record and hold in the bucket; the records of leases that already left a hold are deleted."""
-        try:
-            keys = await self.kv.keys()
-        except NoKeysError:  # (any other error is raised: a leader that read nothing would forget every lease)
-            keys = []
+        keys = await live_keys(self.kv)  # raises on any error: a leader that read nothing would forget every lease
         holds = [hold for key in keys if key.startswith(HOLD)
                  if (hold := await self._get(key, BudgetHold)) is not None]
         held = {hold.hold_id for hold in holds}

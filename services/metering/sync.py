@@ -22,6 +22,7 @@ from services.metering.ledger import month_spend
 from services.metering.models import ANY_MONTH, ApiKey, Budget, Price
 from services.metering.pricing import PriceBook
 from shared import schema
+from shared.kv_keys import live_keys
 from shared.schema import ApiKeyRecord, ModelPrice, TeamSpend
 
 log = logging.getLogger("infermesh.metering")
@@ -77,11 +78,7 @@ class BusViews:
 
     async def load_published(self) -> None:
         """What the keys bucket holds now (e.g. keys revoked while metering was down are still there)."""
-        try:
-            names = await self.keys_kv.keys()
-        except Exception:  # an empty bucket
-            names = []
-        for name in names:
+        for name in await live_keys(self.keys_kv):
             try:
                 entry = await self.keys_kv.get(name)
                 if entry.value:

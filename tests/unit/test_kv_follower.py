@@ -51,6 +51,7 @@ class Entry:
     value: bytes
     revision: int
     operation: str | None = None
+    delta: int | None = None  # the server's count of entries still to come (None: not told)
 
 
 class FakeWatcher:
