@@ -129,8 +129,7 @@ class EdgeApi:
                     lease = await self.mesh.acquire(caller.team, klass, model, len(prompt_ids), params.max_tokens,
                                                     self.config.admission_wait_s)
             except errors.ApiError as exc:
-                span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
-                span.end()
+                _fail(span, exc, request_id)
                 raise
             timing.admitted = time.time()
         trace_id = _trace_id(span, request.headers)
@@ -148,8 +147,7 @@ class EdgeApi:
             first = await events.__anext__()
             timing.first_token = time.time()
         except errors.ApiError as exc:
-            span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
-            span.end()
+            _fail(span, exc, request_id)
             raise
         except BaseException:
             span.end()
@@ -352,6 +350,13 @@ def _trace_id(span: trace.Span, headers: Any) -> str:
 def _record(span: trace.Span, response_id: str, done: Usage) -> None:
     tracing.record_usage(span, response_id, done.worker_id, done.deployment, done.finish_reason, done.prompt_tokens,
                          done.cached_tokens, done.completion_tokens, done.migrations)
+
+
+def _fail(span: trace.Span, exc: errors.ApiError, request_id: str) -> None:
+    """End the request's span with the error, and let the error response name the request and its trace."""
+    span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
+    span.end()
+    exc.headers = {**_trace_headers(request_id, span), **exc.headers}
 
 
 def _trace_headers(request_id: str, span: trace.Span) -> dict[str, str]:

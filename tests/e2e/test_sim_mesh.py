@@ -195,6 +195,8 @@ async def test_first_token_timeout_is_a_503_and_aborts_the_engine(nats_url, name
         with pytest.raises(openai.InternalServerError) as exc:
             await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5)
         assert exc.value.status_code == 503 and exc.value.code == "timeout"
+        assert exc.value.response.headers["x-request-id"] and exc.value.request_id  # the SDK reads it as well
+        assert len(exc.value.response.headers["traceparent"].split("-")[1]) == 32  # the failed request's trace
         await eventually(lambda: worker.load_snapshot().num_running == 0, 1.0, 0.02)
         assert worker.load_snapshot().num_aborted_total == 1
     finally:
