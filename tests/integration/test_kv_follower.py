@@ -59,20 +59,6 @@ VIEWS = [
 ]
 
 
-@pytest.fixture
-async def writer(nats_url, namespace):
-    bus = await Bus.connect(nats_url, namespace, "writer")
-    yield bus
-    await bus.close()
-
-
-@pytest.fixture
-async def reader(nats_url, namespace):
-    bus = await Bus.connect(nats_url, namespace, "reader")
-    yield bus
-    await bus.close()
-
-
 async def test_a_follower_starts_with_every_key_in_the_bucket_then_follows_puts_deletes_purges_and_lapses(
         writer, reader):
     bucket = f"{writer.subjects.namespace}_plain"

@@ -40,28 +40,20 @@ def deliver_kv_entries_late(bus: Bus, late_s: float = LATE_S) -> None:
 
 
 @pytest.fixture
-async def writer(nats_url, namespace):
-    bus = await Bus.connect(nats_url, namespace, "writer")
-    yield bus
-    await bus.close()
+async def late(reader):
+    """The reader client (tests/integration/conftest.py), handling its ``$KV`` entries late."""
+    deliver_kv_entries_late(reader)
+    return reader
 
 
-@pytest.fixture
-async def reader(nats_url, namespace):
-    bus = await Bus.connect(nats_url, namespace, "reader")
-    deliver_kv_entries_late(bus)
-    yield bus
-    await bus.close()
-
-
-async def test_late_entries_make_nats_py_list_no_keys_but_live_keys_lists_them(writer, reader):
+async def test_late_entries_make_nats_py_list_no_keys_but_live_keys_lists_them(writer, late):
     bucket = f"{writer.subjects.namespace}_plain"
     kv = await ensure_bucket(writer, bucket)
     await kv.put("a", b"1")
     await kv.put("b", b"2")
     await kv.put("gone", b"x")
     await kv.delete("gone")
-    late_kv = await ensure_bucket(reader, bucket)
+    late_kv = await ensure_bucket(late, bucket)
     with pytest.raises(NoKeysError):  # the race itself: if nats-py ever fixes it, this test says so
         await late_kv.keys()
     assert await live_keys(late_kv) == ["a", "b"]
@@ -71,16 +63,16 @@ async def test_late_entries_make_nats_py_list_no_keys_but_live_keys_lists_them(w
     assert await live_keys(late_kv) == []
 
 
-async def test_an_empty_bucket_lists_nothing_at_once(reader):
-    kv = await ensure_bucket(reader, f"{reader.subjects.namespace}_empty")
+async def test_an_empty_bucket_lists_nothing_at_once(late):
+    kv = await ensure_bucket(late, f"{late.subjects.namespace}_empty")
     assert await live_keys(kv, timeout_s=1) == []
 
 
-async def test_a_follower_whose_entries_are_late_starts_with_them(writer, reader):
+async def test_a_follower_whose_entries_are_late_starts_with_them(writer, late):
     bucket = f"{writer.subjects.namespace}_followed"
     kv = await ensure_bucket(writer, bucket)
     await kv.put("a", b"1")
-    follower = KvFollower(reader, bucket, "plain", lambda _key, data: data.decode())
+    follower = KvFollower(late, bucket, "plain", lambda _key, data: data.decode())
     await follower.start()
     try:
         assert follower.values == {"a": "1"}  # not {} (synced on the early marker)
@@ -88,17 +80,17 @@ async def test_a_follower_whose_entries_are_late_starts_with_them(writer, reader
         await follower.stop()
 
 
-async def test_a_new_admission_leader_whose_entries_are_late_still_loads_every_lease(writer, reader):
+async def test_a_new_admission_leader_whose_entries_are_late_still_loads_every_lease(writer, late):
     kv = await ensure_bucket(writer, writer.subjects.leases_bucket)
     record = LeaseRecord("lease-1", "research", "interactive", "tiny", 64, "edge-1", 500_000)
     await LeaseStore(writer, kv).put_lease(record)
-    leases, holds = await LeaseStore(reader, await ensure_bucket(reader, reader.subjects.leases_bucket)).load()
+    leases, holds = await LeaseStore(late, await ensure_bucket(late, late.subjects.leases_bucket)).load()
     assert leases == [record] and holds == []
 
 
-async def test_metering_whose_entries_are_late_still_knows_the_keys_it_published(writer, reader):
+async def test_metering_whose_entries_are_late_still_knows_the_keys_it_published(writer, late):
     s = writer.subjects
     await (await ensure_bucket(writer, s.api_keys_bucket)).put("hash-1", schema.encode(ApiKeyRecord("im-1", "t")))
-    views = BusViews(await ensure_bucket(reader, s.api_keys_bucket), await ensure_bucket(reader, s.billing_bucket))
+    views = BusViews(await ensure_bucket(late, s.api_keys_bucket), await ensure_bucket(late, s.billing_bucket))
     await views.load_published()
     assert views.keys == {"hash-1": ApiKeyRecord("im-1", "t")}
