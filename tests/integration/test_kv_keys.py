@@ -3,8 +3,10 @@ snapshot, the admission leader's lease load and metering's published keys, on re
 
 The race (CI, test_bus_auth): nats-py's watch reads the consumer's pending count right after creating it,
 and the server can answer 0 while the bucket's entry is still on its way. These tests make that window
-wide and certain by holding back the reader's ``$KV`` deliveries for a moment (the server sent them; the
-client handles them late), the ordering the server produced in CI."""
+wide and certain: the reader handles its ``$KV`` deliveries a moment late (the server sent them; the client
+handles them late), and its consumer-info answer is the one given once the server has sent them all
+(pending 0), the ordering the server produced in CI. Without that second part the server, when loaded,
+could still answer the info request before delivering, and the window would stay shut."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import asyncio
 
 import pytest
 from nats.js.errors import NoKeysError
+from nats.js.manager import JetStreamManager
 
 from services.admission.store import LeaseStore
 from services.metering.sync import BusViews
@@ -26,7 +29,7 @@ pytestmark = pytest.mark.integration
 LATE_S = 0.3
 
 
-def deliver_kv_entries_late(bus: Bus, late_s: float = LATE_S) -> None:
+def deliver_kv_entries_late(bus: Bus, monkeypatch, late_s: float = LATE_S) -> None:
     """From now on this client handles each ``$KV`` message ``late_s`` after it arrives (everything else at once)."""
     handle = bus.nc._process_msg
     loop = asyncio.get_running_loop()
@@ -37,12 +40,28 @@ def deliver_kv_entries_late(bus: Bus, late_s: float = LATE_S) -> None:
         loop.call_later(late_s, lambda: asyncio.ensure_future(handle(sid, subject, reply, payload, headers)))
 
     bus.nc._process_msg = late
+    answer_consumer_info_once_all_sent(bus, monkeypatch)
+
+
+def answer_consumer_info_once_all_sent(bus: Bus, monkeypatch, within_s: float = LATE_S / 2) -> None:
+    """This client's consumer-info requests return the server's answer once nothing is pending (all sent)."""
+    info = JetStreamManager.consumer_info
+
+    async def once_all_sent(self, stream, consumer, timeout=None):
+        answer = await info(self, stream, consumer, timeout)
+        deadline = asyncio.get_running_loop().time() + within_s
+        while self._nc is bus.nc and answer.num_pending and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.005)
+            answer = await info(self, stream, consumer, timeout)
+        return answer
+
+    monkeypatch.setattr(JetStreamManager, "consumer_info", once_all_sent)
 
 
 @pytest.fixture
-async def late(reader):
+async def late(reader, monkeypatch):
     """The reader client (tests/integration/conftest.py), handling its ``$KV`` entries late."""
-    deliver_kv_entries_late(reader)
+    deliver_kv_entries_late(reader, monkeypatch)
     return reader
 
 
