@@ -8,12 +8,39 @@ nothing. Tests install their own provider with an in-memory exporter.
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator, Mapping
 
 from opentelemetry import context, trace
 from opentelemetry.propagate import extract, inject
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 
 _configured = False
+_preset: ContextVar[tuple[int, int] | None] = ContextVar("infermesh_preset_ids", default=None)
+
+
+class PresetIds(RandomIdGenerator):
+    """Random trace and span ids, except inside ``preset_ids``: the span of a durable thing (a batch job) must
+    carry the ids its parts already link to, whichever replica records it, after any restart."""
+
+    def generate_trace_id(self) -> int:
+        preset = _preset.get()
+        return preset[0] if preset else super().generate_trace_id()
+
+    def generate_span_id(self) -> int:
+        preset = _preset.get()
+        return preset[1] if preset else super().generate_span_id()
+
+
+@contextmanager
+def preset_ids(trace_id: int, span_id: int) -> Iterator[None]:
+    """The next root span started here gets these ids (start exactly one: every span inside would)."""
+    token = _preset.set((trace_id, span_id))
+    try:
+        yield
+    finally:
+        _preset.reset(token)
 
 
 def setup_tracing(service_name: str) -> None:
@@ -26,7 +53,9 @@ def setup_tracing(service_name: str) -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    # the sampler is OpenTelemetry's own setting: OTEL_TRACES_SAMPLER (e.g. parentbased_traceidratio) and
+    # OTEL_TRACES_SAMPLER_ARG (the ratio); by default every trace is kept
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}), id_generator=PresetIds())
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
     _configured = True

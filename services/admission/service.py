@@ -32,6 +32,7 @@ import uuid
 from collections import Counter
 
 from nats.aio.msg import Msg
+from opentelemetry import trace
 
 from services.admission.budgets import Budgets, HoldChanges, OverBudget
 from services.admission.config import AdmissionConfig, parse_teams
@@ -56,8 +57,10 @@ from shared.schema import (
     PriceSheet,
     TeamSpend,
 )
+from shared.telemetry import tracer
 
 log = logging.getLogger("infermesh.admission")
+_tracer = tracer("infermesh.admission")
 
 
 def _decode_billing(key: str, data: bytes) -> PriceSheet | TeamSpend | None:
@@ -191,31 +194,46 @@ class AdmissionService:
 
     # ------------------------------------------------------------ requests
     async def _on_acquire(self, request: LeaseRequest, raw: Msg) -> None:
+        with _tracer.start_as_current_span("admission.decide", kind=trace.SpanKind.SERVER, attributes={
+                "infermesh.team": request.team, "infermesh.request_class": request.klass,
+                "gen_ai.request.model": request.model, "infermesh.admission.tokens": request.tokens,
+                "infermesh.admission.replica_id": self.admission_id}) as span:
+            outcome, position = await self._decide(request, raw)
+            span.set_attributes({"infermesh.admission.outcome": outcome,
+                                 "infermesh.admission.queue_position": position})
+
+    async def _decide(self, request: LeaseRequest, raw: Msg) -> tuple[str, int]:
+        """Grant, queue or reject a lease request: the outcome (``granted``, ``queued`` or the rejection's code)
+        and, when queued, how many requests wait ahead of it."""
         self.stats["requests"] += 1
         if not self.leadership.still_leader():
             await self.bus.respond(raw, LeaseRejected("admission_moved", "admission is changing leader", 0.5))
-            return
+            return "admission_moved", 0
         if not any(w.role in SERVING_ROLES for w in self.directory.live(request.model)):
             await self.bus.respond(raw, LeaseRejected("model_not_found", f"no live worker serves {request.model!r}"))
-            return
+            return "model_not_found", 0
         now = time.time()
         budget = self.budgets.admit(request.ticket, request.team, request.model, request.prompt_tokens,
                                     request.max_tokens, now)
         if isinstance(budget, OverBudget):
             self.stats["rejected:insufficient_quota"] += 1
             await self.bus.respond(raw, LeaseRejected("insufficient_quota", budget.message, 60.0))
-            return
-        result = self._ledger(request.model).acquire(now, request.ticket, request.team, request.klass, request.tokens,
-                                                     request.holder, now + request.wait_s)
+            return "insufficient_quota", 0
+        ledger = self._ledger(request.model)
+        result = ledger.acquire(now, request.ticket, request.team, request.klass, request.tokens, request.holder,
+                                now + request.wait_s)
         if isinstance(result, Grant):
             await self._answer_grant(request.model, result, raw)
-        elif isinstance(result, Wait):
+            return "granted", 0
+        if isinstance(result, Wait):
             self.stats["queued"] += 1
             self._waiting[request.ticket] = raw
-            await self._reject_bumped(self._ledger(request.model))
-        else:
-            self.budgets.drop(request.ticket)
-            await self._answer_reject(raw, result)
+            position = len(ledger.waiters) - 1
+            await self._reject_bumped(ledger)
+            return "queued", position
+        self.budgets.drop(request.ticket)
+        await self._answer_reject(raw, result)
+        return result.code, 0
 
     async def _on_renew(self, request: LeaseRenew, raw: Msg) -> None:
         now, unknown, revoked = time.time(), [], []

@@ -26,6 +26,7 @@ from typing import Awaitable, Callable
 
 import msgspec
 
+from services.batch import tracing
 from services.batch.config import BatchConfig
 from services.batch.dispatch import Dispatcher
 from services.batch.job import Action, BatchJob, CancelRefused, Finalize, StopDispatch
@@ -158,11 +159,16 @@ class Runner:
                                    endpoint=record.endpoint, body=line.body_json)
         self.stats["lines_sent"] += 1
         try:
-            try:
-                reply = await self.bus.request(self.bus.subjects.batch_line, request, BatchLineReply,
-                                               timeout=self.config.line_timeout_s)
-            except BusError as exc:  # no edge, or none answered in time (its edge died): try again
-                reply = BatchLineReply(503, msgspec.json.encode({"error": {"message": str(exc)}}), "")
+            with tracing.line_span(record, line.index, line.custom_id) as span:
+                try:
+                    reply = await self.bus.request(self.bus.subjects.batch_line, request, BatchLineReply,
+                                                   timeout=self.config.line_timeout_s)
+                except BusError as exc:  # no edge, or none answered in time (its edge died): try again
+                    reply = BatchLineReply(503, msgspec.json.encode({"error": {"message": str(exc)}}), "")
+                if span is not None:
+                    span.set_attributes({"http.response.status_code": reply.status_code,
+                                         "infermesh.request_id": reply.request_id,
+                                         "infermesh.batch.try": run.tries.get(line.index, 0) + 1})
             await self._answered(run, line, reply)
         finally:
             run.in_flight.discard(line.index)
@@ -227,6 +233,7 @@ class Runner:
                                          bytes(errors_out))).id if errors_out else None
         self._carry_out(run, run.job.finalized(output_id, error_id, time.time()))
         await self._saved(run)
+        tracing.record_job(run.job.record, time.time())
         del self.runs[record.id]
         self.dispatcher.drop_job(record.id)
         log.info("batch %s of %s: %s (%s)", record.id, record.team, run.job.record.status,

@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from services.admission.leader import Leadership
-from services.batch import store
+from services.batch import store, tracing
 from services.batch.config import BatchConfig
 from services.batch.job import BatchJob
 from services.batch.lines import parse_input
@@ -194,7 +194,9 @@ class BatchService:
         now = time.time()
         if parsed and isinstance(parsed[0], BatchLineError):
             job.invalid(parsed, now)  # type: ignore[arg-type]
-            return await self._save(job.record)
+            saved = await self._save(job.record)
+            tracing.record_job(saved, now)
+            return saved
         job.validated(parsed[0].model, len(parsed), now)  # type: ignore[union-attr]
         await self.runner.add(job, parsed)  # type: ignore[arg-type]
         return job.record

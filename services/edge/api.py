@@ -125,9 +125,14 @@ class EdgeApi:
         if self.mesh.admission is not None:  # no lease, no request: 429 / 503 before anything is routed
             try:
                 with tracing.child_span(span, "admission.acquire", trace.SpanKind.CLIENT,
-                                        {"infermesh.request_class": klass}):
-                    lease = await self.mesh.acquire(caller.team, klass, model, len(prompt_ids), params.max_tokens,
-                                                    self.config.admission_wait_s)
+                                        {"infermesh.request_class": klass}) as acquire_span:
+                    try:
+                        lease = await self.mesh.acquire(caller.team, klass, model, len(prompt_ids),
+                                                        params.max_tokens, self.config.admission_wait_s)
+                    except errors.ApiError as exc:
+                        tracing.record_admission(acquire_span, exc.code or str(exc.status), "", arrived)
+                        raise
+                    tracing.record_admission(acquire_span, "granted", lease[0].name if lease else "", arrived)
             except errors.ApiError as exc:
                 _fail(span, exc, request_id)
                 raise
@@ -146,6 +151,8 @@ class EdgeApi:
         try:
             first = await events.__anext__()
             timing.first_token = time.time()
+            span.add_event("first_token")
+            span.set_attribute("http.response.status_code", 200)  # (a stream's status is sent with its first token)
         except errors.ApiError as exc:
             _fail(span, exc, request_id)
             raise
@@ -355,6 +362,7 @@ def _record(span: trace.Span, response_id: str, done: Usage) -> None:
 def _fail(span: trace.Span, exc: errors.ApiError, request_id: str) -> None:
     """End the request's span with the error, and let the error response name the request and its trace."""
     span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
+    span.set_attributes({"http.response.status_code": exc.status, "error.type": exc.code or exc.type})
     span.end()
     exc.headers = {**_trace_headers(request_id, span), **exc.headers}
 

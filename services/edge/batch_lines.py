@@ -26,6 +26,7 @@ from services.edge.keys import Caller
 from shared import errors
 from shared.batch_schema import BatchLineReply, BatchLineRequest
 from shared.bus import Bus
+from shared.telemetry import trace_context_of
 
 log = logging.getLogger("infermesh.edge")
 QUEUE = "edges"
@@ -41,13 +42,16 @@ def _streams(body: bytes) -> bool:
     return isinstance(decoded, dict) and decoded.get("stream") is True
 
 
-def line_request(line: BatchLineRequest) -> HttpRequest:
-    """The line as the HTTP request its team would have sent (class batch, never streamed)."""
-    return HttpRequest("POST", line.endpoint, {"content-type": "application/json", "x-request-class": "batch"},
-                       line.body, Caller(line.team, line.key_prefix), line.request_id, line.job_id)
+def line_request(line: BatchLineRequest, trace_headers: dict[str, str] | None = None) -> HttpRequest:
+    """The line as the HTTP request its team would have sent (class batch, never streamed), in the trace of the
+    line's run (its message's ``traceparent``)."""
+    headers = {"content-type": "application/json", "x-request-class": "batch", **(trace_headers or {})}
+    return HttpRequest("POST", line.endpoint, headers, line.body, Caller(line.team, line.key_prefix),
+                       line.request_id, line.job_id)
 
 
-async def run_line(line: BatchLineRequest, handlers: dict[str, Handler]) -> BatchLineReply:
+async def run_line(line: BatchLineRequest, handlers: dict[str, Handler],
+                   trace_headers: dict[str, str] | None = None) -> BatchLineReply:
     """Run one line through ``handlers[endpoint]``; every error becomes the reply an HTTP client would get."""
     handler = handlers.get(line.endpoint)
     try:
@@ -55,7 +59,7 @@ async def run_line(line: BatchLineRequest, handlers: dict[str, Handler]) -> Batc
             raise errors.invalid_request(f"A batch line cannot call {line.endpoint!r}.", "url")
         if _streams(line.body):  # refused before it runs (a stream would be generated and billed)
             raise errors.invalid_request("A batch line cannot stream: set `stream` to false.", "stream")
-        reply = await handler(line_request(line))
+        reply = await handler(line_request(line, trace_headers))
         if not isinstance(reply, JsonReply):
             raise errors.invalid_request("A batch line cannot stream: set `stream` to false.", "stream")
     except errors.ApiError as exc:
@@ -93,7 +97,7 @@ class BatchLineServer:
     async def _answer(self, line: BatchLineRequest, raw: Msg) -> None:
         self.stats["lines"] += 1
         try:
-            reply = await run_line(line, self.handlers)
+            reply = await run_line(line, self.handlers, trace_context_of(raw.headers))
         except Exception:  # never let one line take the subscription down; the service retries it
             log.exception("batch line %s of %s failed on this edge", line.line_index, line.job_id)
             reply = error_reply(errors.ApiError(500, "The server had an error while processing this line.",

@@ -8,6 +8,7 @@ span back in context around each step, and ``usage_span`` around the background 
 
 from __future__ import annotations
 
+import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, AsyncIterator, TypeVar
 
@@ -52,6 +53,14 @@ def record_usage(span: trace.Span, response_id: str, worker_id: str, deployment:
                          "gen_ai.usage.input_tokens": prompt_tokens, "gen_ai.usage.output_tokens": completion_tokens,
                          "gen_ai.usage.cache_read.input_tokens": cached_tokens, "infermesh.worker_id": worker_id,
                          "infermesh.deployment": deployment, "infermesh.migrations": migrations})
+    span.add_event("finish", {"gen_ai.response.finish_reasons": [finish_reason]})
+
+
+def record_admission(span: trace.Span | None, outcome: str, deployment: str, asked_at: float) -> None:
+    """How the lease request ended (``granted`` or the error's code), where, and how long it waited."""
+    if span is not None:
+        span.set_attributes({"infermesh.admission.outcome": outcome, "infermesh.admission.deployment": deployment,
+                             "infermesh.admission.wait_s": time.time() - asked_at})
 
 
 def in_span(events: AsyncIterator[T], span: trace.Span) -> AsyncIterator[T]:

@@ -49,6 +49,25 @@ class Plan:
     sticky: bool = False  # the session's bound worker was kept
     repin_reason: str | None = None  # the session had a binding and left it, for this reason
     costs: dict[str, float] = field(default_factory=dict)
+    overlap_blocks: int = 0  # the chosen worker's cached blocks of the prompt, as the index knows them
+    probe: bool = False  # sent to a half-open worker as its breaker's probe (no policy ran)
+
+    def span_attributes(self) -> dict[str, str | int | float | bool]:
+        """What the decision's span says: the candidates, the pick and why (its cost, overlap, affinity)."""
+        reply = self.reply
+        if not isinstance(reply, RouteDecision):
+            return {"infermesh.route_rejected": reply.code, "infermesh.router.candidates": len(self.costs)}
+        affinity = "hit" if self.sticky else "repin" if self.repin_reason else "none"
+        attributes: dict[str, str | int | float | bool] = {
+            "infermesh.worker_id": reply.worker_id, "infermesh.prefill_worker_id": reply.prefill_worker_id,
+            "infermesh.router.candidates": len(self.costs), "infermesh.router.overlap_blocks": self.overlap_blocks,
+            "infermesh.num_cached_tokens_expected": reply.num_cached_tokens_expected,
+            "infermesh.router.affinity": affinity, "infermesh.router.probe": self.probe}
+        if reply.worker_id in self.costs:
+            attributes["infermesh.router.cost"] = self.costs[reply.worker_id]
+        if self.repin_reason:
+            attributes["infermesh.repin_reason"] = self.repin_reason
+        return attributes
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +139,7 @@ class KvAwarePolicy:
             prefill_worker = self._pick_prefill(request, view, by_id[chosen], num_prompt_blocks, matches)
         reply = RouteDecision(chosen, num_cached_tokens_expected=cached, prefill_worker_id=prefill_worker)
         return Plan(reply, prefill_tokens=0 if prefill_worker else uncached, prompt_tokens=request.num_prompt_tokens,
-                    sticky=sticky, repin_reason=reason, costs=costs)
+                    sticky=sticky, repin_reason=reason, costs=costs, overlap_blocks=overlap.blocks)
 
     def _costs(self, candidates: list[WorkerInfo], num_prompt_blocks: int, matches: dict[str, Overlap],
                loads: LoadView) -> dict[str, float]:

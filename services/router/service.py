@@ -19,6 +19,7 @@ import uuid
 from collections import Counter
 
 from nats.aio.msg import Msg
+from opentelemetry import trace
 
 from services.router.config import RouterConfig
 from services.router.index import PrefixIndex
@@ -211,19 +212,14 @@ class RouterService:
 
     # ------------------------------------------------------------ decisions
     async def _on_route(self, request: RouteRequest, raw: Msg) -> None:
-        with _tracer.start_as_current_span("router.route") as span:
-            span.set_attribute("infermesh.request_id", request.request_id)
+        with _tracer.start_as_current_span("router.route", kind=trace.SpanKind.SERVER) as span:
+            span.set_attributes({"infermesh.request_id": request.request_id, "infermesh.router_id": self.router_id,
+                                 "infermesh.session_id": request.session_id or "",
+                                 "infermesh.num_prompt_tokens": request.num_prompt_tokens})
             plan = await self.decide(request)
-            reply = plan.reply
-            if isinstance(reply, RouteDecision):
-                span.set_attributes({"infermesh.worker_id": reply.worker_id,
-                                     "infermesh.num_cached_tokens_expected": reply.num_cached_tokens_expected,
-                                     "infermesh.sticky": plan.sticky})
-                if plan.repin_reason:
-                    span.set_attribute("infermesh.repin_reason", plan.repin_reason)
-            else:
-                span.set_attribute("infermesh.route_rejected", reply.code)
-            await self.bus.respond(raw, reply)
+            if span.is_recording():
+                span.set_attributes(plan.span_attributes())
+            await self.bus.respond(raw, plan.reply)
 
     async def _on_explain(self, request: RouteRequest, raw: Msg) -> None:
         """What this replica would answer now, with no side effect: for debugging and replica checks."""
@@ -267,7 +263,7 @@ class RouterService:
                 self.stats["probes"] += 1
                 log.info("request %s probes half-open worker %s", request.request_id, worker_id)
                 return Plan(RouteDecision(worker_id), prefill_tokens=request.num_prompt_tokens,
-                            prompt_tokens=request.num_prompt_tokens)
+                            prompt_tokens=request.num_prompt_tokens, probe=True)
         return None
 
     async def _decide_in_session(self, request: RouteRequest, session_id: str, sessions: SessionStore) -> Plan:

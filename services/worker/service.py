@@ -25,6 +25,7 @@ import uuid
 from nats.aio.msg import Msg
 from opentelemetry.trace import Status, StatusCode
 
+from services.worker import tracing
 from services.worker.config import WorkerConfig
 from services.worker.engine_restart import EngineRestartPolicy
 from services.worker.engines import Engine, EngineRequestError, EngineSpec, create_engine
@@ -46,10 +47,9 @@ from shared.schema import (
     WorkerInfo,
 )
 from shared.tasks import cancel_and_wait
-from shared.telemetry import traced, tracer
+from shared.telemetry import traced
 
 log = logging.getLogger("infermesh.worker")
-_tracer = tracer("infermesh.worker")
 SNAPSHOT_KEEP_S = 30.0  # how long a paged snapshot stays readable
 
 NO_PROMPT_TOKENS = PromptTokens()  # engines that do not count where prompt tokens came from
@@ -217,9 +217,7 @@ class WorkerService:
         self.orphans.untrack(request_id)
 
     async def _run(self, request: GenerateRequest, stream: TokenStreamSender) -> None:
-        with _tracer.start_as_current_span("worker.generate") as span:
-            span.set_attributes({"infermesh.worker_id": self.worker_id, "infermesh.request_id": request.request_id,
-                                 "infermesh.num_prompt_tokens": len(request.prompt_token_ids)})
+        with tracing.request_span(request, self.worker_id) as span:
             # a migrated request's counts include the tokens it came with (its output so far); its stream only new ones
             resumed = len(request.output_token_ids)
             num_output, received_at, ttft_ms = resumed, time.monotonic(), 0.0
@@ -231,6 +229,7 @@ class WorkerService:
                                                       priority=ENGINE_PRIORITY[request.request_class]):
                     if out.token_ids and num_output == resumed:
                         ttft_ms = 1000 * (time.monotonic() - received_at)
+                        span.add_event("first_token")
                     num_output += len(out.token_ids)
                     if out.token_ids:
                         await stream.tokens(out.token_ids)
@@ -250,6 +249,8 @@ class WorkerService:
                     span.set_attributes({"infermesh.finish_reason": out.finish_reason,
                                          "infermesh.num_cached_tokens": out.num_cached_tokens,
                                          "infermesh.num_output_tokens": num_output})
+                    span.add_event("finish", {"infermesh.finish_reason": out.finish_reason})
+                    tracing.record_engine(span, out.timings)
                     if out.finish_reason == "abort":
                         self._num_aborted += 1
                     else:

@@ -25,9 +25,10 @@ class UpProcess:
     key: str = "e2e-key"
     lines: list[str] = field(default_factory=list)
     popen: subprocess.Popen[str] | None = None
+    env: dict[str, str] = field(default_factory=dict)  # set for the mesh's processes, over this one's
 
     def start(self, timeout_s: float) -> None:
-        env = {**os.environ, "INFERMESH_DEV_KEY": self.key}
+        env = {**os.environ, "INFERMESH_DEV_KEY": self.key, **self.env}
         self.popen = subprocess.Popen([sys.executable, "-m", "infermesh.cli", "up", *self.argv], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         threading.Thread(target=self._read, daemon=True).start()
@@ -67,14 +68,15 @@ class UpProcess:
 
 @contextmanager
 def tiny_vllm_mesh(workers: list[str], nats_url: str, tiny_model: Path, state_dir: Path,
-                   prefix: str = "v") -> Iterator[dict[str, Any]]:
+                   prefix: str = "v", env: dict[str, str] | None = None) -> Iterator[dict[str, Any]]:
     """``infermesh up --engine vllm`` with ``workers`` (e.g. ``--workers 2`` or ``--pd 1:1``) on the tiny model,
-    in a namespace of its own; yields its base URL, key and namespace and checks it stops cleanly."""
+    in a namespace of its own (``env`` set for its processes); yields its base URL, key and namespace and checks
+    it stops cleanly."""
     namespace = f"{prefix}{uuid.uuid4().hex[:8]}"
     port = free_port()
     up = UpProcess([*workers, "--engine", "vllm", "--model", "tiny", "--model-path", str(tiny_model),
                     "--nats-url", nats_url, "--namespace", namespace, "--http-port", str(port),
-                    "--max-model-len", "1024", "--state-dir", str(state_dir)])
+                    "--max-model-len", "1024", "--state-dir", str(state_dir)], env=env or {})
     up.start(timeout_s=300)
     yield {"base_url": f"http://127.0.0.1:{port}/v1", "key": up.key, "namespace": namespace, "up": up}
     assert up.stop() == 0

@@ -194,3 +194,32 @@ async def test_a_team_given_a_bus_user_while_the_bus_runs_submits_at_once(locked
         assert [v for v in locked.violations() if "authentication" not in v] == []
     finally:
         await client.close()
+
+
+async def test_a_job_is_one_root_span_and_each_line_a_trace_of_its_own_linked_to_it(span_exporter, batch_mesh,
+                                                                                    nats_url, namespace):
+    lines = [chat_line(f"traced-{i}", f"question {i}") for i in range(3)]
+    async with await BatchClient.connect(nats_url, namespace, "kappa") as client:
+        job_id = await client.submit(lines, submit_id="traced-1")
+        assert (await followed(client, job_id))[-1].status == "completed"
+
+    def of_job(name: str) -> list:
+        return [s for s in span_exporter.get_finished_spans()
+                if s.name == name and s.attributes.get("infermesh.batch_id") == job_id]
+
+    await eventually(lambda: of_job("batch.job"), 5)
+    [job] = of_job("batch.job")
+    assert job.parent is None and f"{job.context.trace_id:032x}" == job_id.removeprefix("batch_")
+    assert job.attributes["infermesh.batch.status"] == "completed" and job.attributes["infermesh.batch.completed"] == 3
+    runs = of_job("batch.line")
+    assert sorted(s.attributes["infermesh.batch.custom_id"] for s in runs) == [line["custom_id"] for line in lines]
+    spans = span_exporter.get_finished_spans()
+    for run in runs:  # a trace of its own, linked to the job's span, above the edge's request span
+        assert run.parent is None and run.context.trace_id != job.context.trace_id
+        assert [(link.context.trace_id, link.context.span_id) for link in run.links] == [
+            (job.context.trace_id, job.context.span_id)]
+        [request] = [s for s in spans if s.parent is not None and s.parent.span_id == run.context.span_id]
+        assert request.name == "chat tiny" and request.context.trace_id == run.context.trace_id
+        assert request.attributes["infermesh.request_id"] == run.attributes["infermesh.request_id"]
+        assert run.attributes["http.response.status_code"] == 200
+        assert job.start_time <= run.start_time and run.end_time <= job.end_time

@@ -124,7 +124,7 @@ async def test_a_retried_request_is_one_trace_with_an_attempt_span_per_try(nats_
         assert second.attributes["infermesh.attempt.reason"] == "retry"
         assert second.attributes["infermesh.attempt.failed_worker_id"] == "bad"
         assert second.attributes["infermesh.worker_id"] == "good"
-        generates = {s.attributes["infermesh.worker_id"]: s for s in spans if s.name == "worker.generate"}
+        generates = {s.attributes["infermesh.worker_id"]: s for s in spans if s.name == "generate"}
         assert generates["bad"].parent.span_id == first.context.span_id
         assert generates["good"].parent.span_id == second.context.span_id
         assert first.end_time <= second.start_time  # one try after the other

@@ -19,6 +19,7 @@ from shared.prefix_hash import prompt_hashes
 from shared.schema import BlockStored, KvEventBatch, LoadRequest, LoadSnapshot
 from tests.e2e.mesh_process import tiny_vllm_mesh
 from tests.e2e.test_locked_mesh import batch_round_trip
+from tests.otlp_receiver import OtlpReceiver
 from tests.utils import eventually
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
@@ -27,8 +28,17 @@ MESSAGES = [{"role": "system", "content": "You are terse."},
 
 
 @pytest.fixture(scope="module")
-def mesh(nats_url, tiny_model, tmp_path_factory):
-    with tiny_vllm_mesh(["--workers", "2"], nats_url, tiny_model, tmp_path_factory.mktemp("up-vllm")) as mesh:
+def otlp():
+    """Where the mesh's processes export their spans (a real OTLP/HTTP receiver)."""
+    with OtlpReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="module")
+def mesh(nats_url, tiny_model, tmp_path_factory, otlp):
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    with tiny_vllm_mesh(["--workers", "2"], nats_url, tiny_model, tmp_path_factory.mktemp("up-vllm"),
+                        env=env) as mesh:
         yield mesh
 
 
@@ -83,6 +93,26 @@ async def test_async_sdk_and_completions(mesh, tokenizer):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat[0].choices[0].message.content
     assert chunks[-1].usage.completion_tokens == chat[0].usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens == len(tokenizer.apply_chat_template(MESSAGES))
+
+
+async def test_the_vllm_workers_span_carries_vllms_own_per_request_timings(mesh, otlp):
+    client = openai.AsyncOpenAI(base_url=mesh["base_url"], api_key=mesh["key"], max_retries=0)
+    raw = await client.chat.completions.with_raw_response.create(model="tiny", messages=MESSAGES, max_tokens=6,
+                                                                 temperature=0)
+    trace_id = raw.headers["traceparent"].split("-")[1]
+    names = lambda: {s.name for s in otlp.of_trace(trace_id)}  # noqa: E731
+    await eventually(lambda: {"generate", "engine.queue", "engine.prefill", "engine.decode"} <= names(), 15)
+    spans = otlp.of_trace(trace_id)
+    worker = next(s for s in spans if s.name == "generate")
+    phases = {s.name: s for s in spans if s.parent_id == worker.span_id}
+    assert set(phases) == {"engine.queue", "engine.prefill", "engine.decode"}  # (no KV pull: not disaggregated)
+    latency = {k.removeprefix("gen_ai.latency."): v for k, v in worker.attributes.items() if "latency" in k}
+    assert latency["time_in_model_prefill"] > 0 and latency["time_in_model_decode"] > 0
+    assert latency["time_in_queue"] >= 0 and worker.attributes["infermesh.engine.num_preemptions"] == 0
+    assert abs(latency["time_in_model_inference"] - phases["engine.prefill"].duration_s
+               - phases["engine.decode"].duration_s) < 1e-3
+    for phase in phases.values():  # vLLM's engine-core clock, mapped onto the wall clock, inside the span
+        assert worker.start_ns <= phase.start_ns <= phase.end_ns <= worker.end_ns, phase.name
 
 
 def test_repeated_long_prefix_reports_cached_tokens(mesh):

@@ -169,3 +169,29 @@ async def test_profile_timings_and_prefix_hits():
     assert first[-1].num_cached_tokens == 0 and second[-1].num_cached_tokens == 992
     assert eng.now() > 0.006  # at least two decode steps of the profile passed in simulated time
     await eng.stop()
+
+
+def _decode_timings_on(loop_factory, itl_ms: float, clock_factor: float, max_tokens: int):
+    async def run():
+        eng = await started(SimEngine(SimEngineConfig(ttft_ms=itl_ms, itl_ms=itl_ms, clock_factor=clock_factor)))
+        outs = await collect(eng, "a", PROMPT, SamplingParams(max_tokens=max_tokens))
+        await eng.stop()
+        return outs[-1].timings
+
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(run())
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_steps_shorter_than_a_millisecond_take_their_time_on_uvloop_too(loop):
+    """The services run on uvloop, whose loop time moves in whole milliseconds and whose sub-millisecond sleeps
+    end at once: 20 sim steps of 0.2 ms (real) each still take about 4 ms in all, and the engine's timings say so
+    (they said 0: every token at one instant)."""
+    import uvloop
+
+    factory = uvloop.new_event_loop if loop == "uvloop" else asyncio.new_event_loop
+    timings = _decode_timings_on(factory, itl_ms=2.0, clock_factor=10.0, max_tokens=20)  # 0.2 ms a step
+    assert timings is not None
+    assert timings.first_token_at > timings.scheduled_at >= timings.queued_at
+    assert timings.last_token_at - timings.first_token_at >= 19 * 0.0002 - 0.0011  # (less at most one timer tick)
+    assert timings.num_preemptions == 0 and timings.kv_pull is None

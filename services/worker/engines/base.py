@@ -54,6 +54,30 @@ class EngineSpec:
     kv_endpoint: str = ""  # where peers reach it for that (NIXL: the side channel's host:port)
 
 
+@dataclass(slots=True, frozen=True)
+class KvPull:
+    """The KV of a disaggregated request's prompt, pulled from its prefill worker (wall-clock seconds)."""
+
+    started_at: float
+    ended_at: float
+    num_bytes: int
+    num_descriptors: int
+    connector: str
+
+
+@dataclass(slots=True, frozen=True)
+class EngineTimings:
+    """Where a request's time went inside the engine, from the engine's own clock (vLLM's per-request stats,
+    the simulator's scheduler): wall-clock seconds (``time.time()``), so they line up with the spans."""
+
+    queued_at: float
+    scheduled_at: float  # first scheduled: queue wait = scheduled_at - queued_at
+    first_token_at: float  # prefill (and a KV pull) = first_token_at - scheduled_at
+    last_token_at: float  # decode = last_token_at - first_token_at
+    num_preemptions: int = 0
+    kv_pull: KvPull | None = None
+
+
 @dataclass(slots=True)
 class EngineOutput:
     """New tokens of one request; the last output of a request has ``finish_reason`` set."""
@@ -63,6 +87,7 @@ class EngineOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     kv_transfer: KvTransfer | None = None  # a prefill worker's handle to the KV it computed
+    timings: EngineTimings | None = None  # on the last output, where the engine knows them
 
 
 @dataclass(slots=True, frozen=True)

@@ -163,6 +163,13 @@ class CostModel:
         descriptors = num_descriptors(-(-num_tokens // block_size), p.num_layers, layout)
         return self.kv_bytes(num_tokens) / p.link_bytes_per_s + descriptors * p.descriptor_overhead_s
 
+    def transfer_size(self, num_tokens: int, block_size: int, layout: str) -> tuple[int, int]:
+        """(bytes, descriptors) of pulling ``num_tokens`` of KV: what ``transfer_time`` charges for."""
+        if num_tokens <= 0:
+            return 0, 0
+        blocks = -(-num_tokens // block_size)
+        return int(self.kv_bytes(num_tokens)), num_descriptors(blocks, self.profile.num_layers, layout)
+
     def onload_time(self, num_tokens: int) -> float:
         """Seconds to copy ``num_tokens`` of KV from the host tier back to the device."""
         if num_tokens <= 0 or not self.profile.host_link_bytes_per_s:

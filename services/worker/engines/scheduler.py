@@ -53,6 +53,9 @@ class SimRequest:
     priority: int = 0  # lower goes first (vLLM's priority policy): interactive 0, batch 1 (base.ENGINE_PRIORITY)
     scheduled_t: float | None = None  # first time any of it ran (queue wait = scheduled_t - arrival_t)
     token_times: list[float] = field(default_factory=list)
+    kv_pull_t: float | None = None  # when its (latest) KV pull started, and for how long and how many tokens
+    kv_pull_s: float = 0.0
+    kv_pull_tokens: int = 0
 
     @property
     def token_ids(self) -> list[int]:

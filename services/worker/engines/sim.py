@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
@@ -29,6 +30,8 @@ from services.worker.engines.base import (
     EngineOutput,
     EngineRequestError,
     EngineSpec,
+    EngineTimings,
+    KvPull,
 )
 from services.worker.engines.block_pool import hash_block
 from services.worker.engines.cost_model import CostModel, load_profile
@@ -89,6 +92,9 @@ class FixedCost:
     def transfer_time(self, num_tokens: int, block_size: int, layout: str) -> float:
         return 0.0
 
+    def transfer_size(self, num_tokens: int, block_size: int, layout: str) -> tuple[int, int]:
+        return 0, 0
+
     def onload_time(self, num_tokens: int) -> float:
         return 0.0
 
@@ -131,15 +137,17 @@ class SimEngine(Engine):
         self._wake = asyncio.Event()
         self._kv_events: asyncio.Queue[list[KvEvent]] = asyncio.Queue()
         self._runner: asyncio.Task[None] | None = None
-        self._t0 = 0.0
+        self._t0 = 0.0  # time.monotonic() at start
+        self._paced_to = 0.0  # simulated seconds: where the steps so far end on the schedule they are paced on
         self._grammars: GrammarCache | None = None  # made on the first structured request
 
     def now(self) -> float:
-        """Simulated seconds since start."""
-        return (asyncio.get_running_loop().time() - self._t0) * self.config.clock_factor
+        """Simulated seconds since start, from ``time.monotonic`` (uvloop's loop time moves in whole milliseconds,
+        once per loop turn: steps shorter than that would all seem to take no time)."""
+        return (time.monotonic() - self._t0) * self.config.clock_factor
 
     async def start(self) -> EngineSpec:
-        self._t0 = asyncio.get_running_loop().time()
+        self._t0 = time.monotonic()
         self._runner = asyncio.create_task(self._run(), name=f"sim-{self.config.worker_id}")
         wc = self.worker.config
         return EngineSpec(self.config.model, self.config.tokenizer, wc.block_size, wc.num_kv_blocks,
@@ -243,7 +251,8 @@ class SimEngine(Engine):
         loop = asyncio.get_running_loop()
         factor = self.config.clock_factor
         while True:
-            step = self.worker.begin_step(self.now())
+            started = self.now()
+            step = self.worker.begin_step(started)
             if step is None:
                 self._publish_kv_events()
                 self._wake.clear()
@@ -252,8 +261,10 @@ class SimEngine(Engine):
             for request, seconds, epoch in step.transfers:
                 loop.call_later(seconds / factor, self._kv_ready, request, epoch)
             self._publish_kv_events()
-            if step.duration_s > 0:
-                await asyncio.sleep(step.duration_s / factor)
+            if step.duration_s > 0:  # paced on a schedule, not step by step: a sleep shorter than the loop's
+                # timer resolution (uvloop: 1 ms) ends early, and the steps after it make the time up
+                self._paced_to = max(self._paced_to, started) + step.duration_s
+                await asyncio.sleep(max(self._t0 + self._paced_to / factor - time.monotonic(), 0.0))
             for request, token in self.worker.end_step(step, self.now()):
                 stream = self._streams.get(request.request_id)
                 if stream is not None:
@@ -284,8 +295,28 @@ class SimEngine(Engine):
         handle = None
         if finish_reason == "remote":
             handle = KvTransfer(self.config.worker_id, r.request_id, len(r.prompt_token_ids))
+        timings = self._timings(r) if finish_reason not in (None, "abort") else None
         stream.outputs.put_nowait(EngineOutput(tokens, finish_reason, len(r.prompt_token_ids), r.num_cached_tokens,
-                                               handle))
+                                               handle, timings))
+
+    def _timings(self, r: SimRequest) -> EngineTimings | None:
+        """Where a finished request's time went, from the simulator's clock, as wall-clock times (mapped now,
+        once: the wall clock drifts from the monotonic one)."""
+        if r.scheduled_t is None or not r.token_times:
+            return None
+        monotonic_to_wall = time.time() - time.monotonic()
+        factor = self.config.clock_factor
+
+        def wall(sim_t: float) -> float:
+            return monotonic_to_wall + self._t0 + sim_t / factor
+
+        pull = None
+        if r.kv_pull_t is not None:
+            wc = self.worker.config
+            num_bytes, descriptors = self.worker.cost.transfer_size(r.kv_pull_tokens, wc.block_size, wc.kv_layout)
+            pull = KvPull(wall(r.kv_pull_t), wall(r.kv_pull_t + r.kv_pull_s), num_bytes, descriptors, "sim")
+        return EngineTimings(wall(r.arrival_t), wall(r.scheduled_t), wall(r.token_times[0]), wall(r.token_times[-1]),
+                             r.num_preemptions, pull)
 
     def _publish_kv_events(self) -> None:
         events = self.worker.pool.drain_events()

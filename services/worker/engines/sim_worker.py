@@ -183,6 +183,7 @@ class SimWorker:
         for request, num_tokens in batch.transfers:
             request.scheduled_t = now if request.scheduled_t is None else request.scheduled_t
             seconds = self.cost.transfer_time(num_tokens, cfg.block_size, cfg.kv_layout)
+            request.kv_pull_t, request.kv_pull_s, request.kv_pull_tokens = now, seconds, num_tokens
             transfers.append((request, seconds, request.num_preemptions))
         if not batch.prefills and not batch.decodes and not transfers:
             return None

@@ -36,6 +36,7 @@ import asyncio
 import logging
 import math
 import os
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterator, Sequence
@@ -47,6 +48,7 @@ from services.worker.engines.base import (
     EngineOutput,
     EngineRequestError,
     EngineSpec,
+    EngineTimings,
     PromptTokens,
 )
 from shared.schema import KvTransfer, SamplingParams
@@ -296,7 +298,7 @@ class VllmEngine(Engine):
                         handle = KvTransfer(self.config.worker_id, request_id, len(prompt_token_ids),
                                             dict(out.kv_transfer_params))
                     yield EngineOutput(token_ids, reason if reason in ("stop", "length", "abort") else "stop",
-                                       len(prompt_token_ids), num_cached, handle)
+                                       len(prompt_token_ids), num_cached, handle, _timings(out.metrics))
                     return
                 if token_ids:
                     yield EngineOutput(token_ids, None, len(prompt_token_ids), num_cached)
@@ -414,3 +416,14 @@ async def _rejections_as(stream: AsyncIterator[Any], rejection: type[Exception])
             yield item
     except rejection as exc:
         raise EngineRequestError(str(exc)) from exc
+
+
+def _timings(stats: Any) -> EngineTimings | None:
+    """vLLM's own per-request stats (``RequestStateStats``: the engine core's monotonic timestamps, kept because a
+    stat logger is installed) as wall-clock times; None where the request never ran to a token."""
+    if stats is None or not (stats.queued_ts and stats.scheduled_ts and stats.first_token_ts):
+        return None
+    to_wall = time.time() - time.monotonic()  # the core's clock is this machine's CLOCK_MONOTONIC
+    last = stats.last_token_ts or stats.first_token_ts
+    return EngineTimings(stats.queued_ts + to_wall, stats.scheduled_ts + to_wall, stats.first_token_ts + to_wall,
+                         last + to_wall, int(stats.num_preemptions))

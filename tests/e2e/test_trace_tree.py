@@ -1,0 +1,111 @@
+"""One request, one trace, through every service: ``infermesh up`` (each service its own process, each exporting
+over OTLP/HTTP as it would to Jaeger or Phoenix) sends its spans to a real OTLP receiver the test runs, and the
+test checks the tree an operator would see: one trace id, every hop a child of the hop that sent it, each span
+with its attributes, and durations that nest."""
+
+from __future__ import annotations
+
+import uuid
+
+import openai
+import pytest
+
+from shared.ports import free_port
+from tests.e2e.mesh_process import UpProcess
+from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
+from tests.utils import eventually
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+SERVER, CLIENT = 2, 3  # opentelemetry.proto.trace.v1.Span.SpanKind
+EXPECTED = {"text_completion tiny", "admission.acquire", "admission.decide", "attempt", "router.route", "prefill",
+            "decode", "kv.transfer", "engine.queue", "engine.prefill", "engine.decode", "usage.publish"}
+
+
+def by_name(spans: list[ReceivedSpan]) -> dict[str, ReceivedSpan]:
+    named: dict[str, ReceivedSpan] = {}
+    for span in spans:
+        assert span.name not in named or span.name.startswith("engine."), f"two {span.name} spans"
+        named.setdefault(span.name, span)
+    return named
+
+
+def child_of(child: ReceivedSpan, parent: ReceivedSpan, nested: bool = True) -> None:
+    assert child.parent_id == parent.span_id, f"{child.name} is not a child of {parent.name}"
+    assert child.start_ns >= parent.start_ns, f"{child.name} starts before {parent.name}"
+    if nested:
+        assert child.end_ns <= parent.end_ns, f"{child.name} ends after {parent.name}"
+
+
+def workers_spans(spans: list[ReceivedSpan], parent: ReceivedSpan) -> list[str]:
+    return sorted(s.name for s in spans if s.parent_id == parent.span_id)
+
+
+async def test_a_disaggregated_request_is_one_tree_across_every_service(nats_url, tiny_model, tmp_path):
+    port = free_port()
+    with OtlpReceiver() as otlp:
+        up = UpProcess(["--engine", "sim", "--pd", "1:1", "--sim-profile", "gb200-glm53", "--sim-clock-factor", "20",
+                        "--model", "tiny", "--model-path", str(tiny_model), "--nats-url", nats_url,
+                        "--namespace", f"t{uuid.uuid4().hex[:8]}", "--http-port", str(port), "--billing-port", "0",
+                        "--state-dir", str(tmp_path)],
+                       env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"})
+        up.start(timeout_s=90)
+        try:
+            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=up.key, max_retries=0)
+            raw = await client.completions.with_raw_response.create(
+                model="tiny", prompt=list(range(5, 400)), max_tokens=8, extra_headers={"x-session-id": "agent-7"})
+            done = raw.parse()
+            trace_id = raw.headers["traceparent"].split("-")[1]
+            await eventually(lambda: EXPECTED <= {s.name for s in otlp.of_trace(trace_id)}, 20)
+        finally:
+            assert up.stop() == 0
+    spans = otlp.of_trace(trace_id)
+    s = by_name(spans)
+    edge, attempt, decode, prefill = s["text_completion tiny"], s["attempt"], s["decode"], s["prefill"]
+    # the tree
+    assert edge.parent_id == "" and edge.kind == SERVER and edge.service == "infermesh-edge"
+    child_of(s["admission.acquire"], edge)
+    child_of(s["admission.decide"], s["admission.acquire"])
+    child_of(attempt, edge)
+    child_of(s["router.route"], attempt)
+    child_of(prefill, attempt, nested=False)  # (a worker's span ends once its stream's end is sent)
+    child_of(decode, attempt, nested=False)
+    child_of(s["kv.transfer"], decode)
+    assert prefill.end_ns <= s["kv.transfer"].end_ns  # the pull follows the prefill's end
+    assert workers_spans(spans, decode) == ["engine.decode", "engine.prefill", "engine.queue", "kv.transfer"]
+    assert workers_spans(spans, prefill) == ["engine.decode", "engine.prefill", "engine.queue"]
+    for phase in (p for p in spans if p.name.startswith("engine.")):
+        parent = decode if phase.parent_id == decode.span_id else prefill
+        child_of(phase, parent)
+    child_of(s["usage.publish"], edge, nested=False)  # billed in the background, after the response
+    # each service its own process, each span where it belongs
+    services = {span.name: span.service for span in spans}
+    assert services["admission.decide"] == "infermesh-admission" and services["router.route"] == "infermesh-router"
+    assert services["prefill"].startswith("infermesh-worker") and services["decode"].startswith("infermesh-worker")
+    # the attributes an operator reads
+    request_id = done.id.removeprefix("cmpl-")
+    assert edge.attributes["infermesh.request_id"] == request_id == raw.headers["x-request-id"]
+    assert edge.attributes["gen_ai.operation.name"] == "text_completion"
+    assert edge.attributes["gen_ai.usage.output_tokens"] == done.usage.completion_tokens == 8
+    assert edge.attributes["gen_ai.response.finish_reasons"] == ["length"]
+    assert edge.attributes["infermesh.session_id"] == "agent-7"
+    assert edge.attributes["http.response.status_code"] == 200
+    assert {"first_token", "finish"} <= set(edge.events)
+    assert s["admission.acquire"].attributes["infermesh.admission.outcome"] == "granted"
+    assert s["admission.decide"].attributes["infermesh.admission.outcome"] == "granted"
+    assert s["admission.decide"].attributes["infermesh.admission.queue_position"] == 0
+    route = s["router.route"].attributes
+    assert route["infermesh.worker_id"] == decode.attributes["infermesh.worker_id"]
+    assert route["infermesh.prefill_worker_id"] == prefill.attributes["infermesh.worker_id"]
+    assert route["infermesh.router.candidates"] >= 1 and route["infermesh.router.affinity"] == "none"
+    assert "infermesh.router.cost" in route and route["infermesh.router.overlap_blocks"] == 0
+    pull = s["kv.transfer"]
+    assert pull.kind == CLIENT and pull.attributes["infermesh.kv_transfer.connector"] == "sim"
+    assert pull.attributes["infermesh.kv_transfer.bytes"] > 0
+    assert pull.attributes["infermesh.kv_transfer.descriptors"] > 0
+    assert prefill.attributes["gen_ai.latency.time_in_model_prefill"] > 0  # 395 tokens computed there
+    assert decode.attributes["gen_ai.latency.time_in_model_decode"] > 0  # 7 tokens after the first (uvloop: ms)
+    for worker in (prefill, decode):
+        assert worker.attributes["gen_ai.latency.time_in_queue"] >= 0
+        assert worker.attributes["infermesh.engine.num_preemptions"] == 0
+        assert "first_token" in worker.events and "finish" in worker.events
+    assert s["usage.publish"].attributes["infermesh.billed"] is True
