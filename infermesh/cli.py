@@ -79,6 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--database-url", default=os.environ.get("INFERMESH_DATABASE_URL", ""),
                     help="the billing ledger (postgresql://...); default: the embedded SQLite file")
     up.add_argument("--billing-port", type=int, default=8001, help="billing API and team dashboards")
+    up.add_argument("--metrics-port-base", type=int, default=9464,
+                    help="each service's Prometheus /metrics on this port and the next ones (0: any free, -1: none)")
     up.add_argument("--state-dir", default="", help="logs and NATS store (default: a new temp folder)")
     up.add_argument("--ready-timeout", type=float, default=600.0)
 
@@ -117,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             sim_decoders=args.sim_decoders, sim_prefill=args.sim_prefill, sim_profile=args.sim_profile,
             sim_clock_factor=args.sim_clock_factor, sim_stream_interval=args.sim_stream_interval,
             sim_engines_per_process=args.sim_engines_per_process, database_url=args.database_url,
-            billing_port=args.billing_port, pd=args.pd, prefill_token_budget=args.prefill_token_budget,
+            billing_port=args.billing_port, metrics_port_base=args.metrics_port_base, pd=args.pd,
+            prefill_token_budget=args.prefill_token_budget,
             decode_token_budget=args.decode_token_budget, router_replicas=args.router_replicas,
             admission_replicas=args.admission_replicas, edge_replicas=args.edge_replicas,
         )

@@ -62,6 +62,7 @@ class ProcessGroup:
     log_dir: Path
     children: list[Child] = field(default_factory=list)
     bus_credentials: dict[str, NatsCredentials] = field(default_factory=dict)  # role -> credentials (locked bus)
+    metrics_ports: dict[str, int] = field(default_factory=dict)  # child -> its Prometheus port (--metrics-port)
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 from infermesh.bus_auth import data_dir, start_locked_nats, tls_files
 from infermesh.processes import ProcessGroup
 from infermesh.supervisor import SupervisedGroup, Supervisor
+from shared.ports import free_port
 
 PD_HEARTBEAT_TTL_S = 15.0  # vLLM P/D workers on CPU (see start_processes)
 
@@ -48,6 +49,7 @@ class MeshOptions:
     dev_key: str = ""
     database_url: str = ""  # the ledger: Postgres URL, or "" for the embedded SQLite file
     billing_port: int = 8001
+    metrics_port_base: int = 9464  # each service's /metrics: this port, the next, ... (0: any free ones, -1: none)
     ready_timeout_s: float = 600.0
     # A simulated fleet (sim engine only): serving and prefill engines, packed several per process.
     sim_decoders: int = 0  # > 0: replaces num_workers; role decode (both when sim_prefill is 0)
@@ -193,6 +195,7 @@ def start_processes(group: ProcessGroup, options: MeshOptions, model_path: str, 
                                      tls_files(options.nats_tls_cert, options.nats_tls_key, options.nats_tls_ca))
         _say(f"NATS with JetStream on {nats_url} (locked: a user per service role, secrets in {data_dir()})")
     env = {"INFERMESH_NATS_URL": nats_url, "INFERMESH_NAMESPACE": options.namespace}
+    group = _with_metrics_ports(group, options)
     for i in range(options.router_replicas):
         group.python_service(f"router-{i}", "services.router", ["--router-id", f"router-{i}"], env)
     group.python_service("breaker", "services.breaker", [], env)
@@ -227,6 +230,27 @@ def start_processes(group: ProcessGroup, options: MeshOptions, model_path: str, 
         group.python_service("edge" if options.edge_replicas == 1 else f"edge-{i}", "services.edge", edge_args,
                              {**env, "INFERMESH_DEV_KEY": options.dev_key, "INFERMESH_EDGE_SECRET": edge_secret})
     return nats_url
+
+
+class _MetricsPorts:
+    """``group`` whose services each get ``--metrics-port`` (recorded in ``group.metrics_ports``)."""
+
+    def __init__(self, group: ProcessGroup, options: MeshOptions) -> None:
+        self.group, self.options = group, options
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.group, name)
+
+    def python_service(self, name: str, module: str, args: list[str], env: dict[str, str]) -> object:
+        base, ports = self.options.metrics_port_base, self.group.metrics_ports
+        port = free_port() if base == 0 else base + len(ports)
+        ports[name] = port
+        return self.group.python_service(name, module, [*args, "--metrics-port", str(port), "--metrics-host",
+                                                        self.options.host], env)
+
+
+def _with_metrics_ports(group: ProcessGroup, options: MeshOptions) -> ProcessGroup:
+    return group if options.metrics_port_base < 0 else _MetricsPorts(group, options)  # type: ignore[return-value]
 
 
 def wait_ready(group: ProcessGroup, options: MeshOptions, stop: threading.Event) -> bool:
@@ -266,6 +290,15 @@ def _describe_workers(options: MeshOptions) -> str:
             f"{len(processes)} processes{profile}, clock x{options.sim_clock_factor:g}")
 
 
+def _metrics_lines(group: ProcessGroup, options: MeshOptions) -> str:
+    """Where each service's Prometheus metrics are (metering's are on its billing port)."""
+    if not group.metrics_ports:
+        return ""
+    ports = {name: port for name, port in group.metrics_ports.items() if name != "metering"}
+    listed = ", ".join(f"{name} :{port}" for name, port in ports.items())
+    return (f"  metrics  : http://{options.host}:<port>/metrics  ({listed}; metering :{options.billing_port})\n")
+
+
 def run_mesh(options: MeshOptions) -> int:
     options.check()
     stop = threading.Event()
@@ -285,6 +318,7 @@ def run_mesh(options: MeshOptions) -> int:
         _say("ready")
         print(f"\n  base URL : {base_url}\n  API key  : {options.dev_key}\n  model    : {options.model}"
               f"\n  engine   : {_describe_workers(options)}\n  logs     : {group.log_dir}\n"
+              f"{_metrics_lines(group, options)}"
               f"  billing  : http://{options.host}:{options.billing_port}/dashboard/<team>#key=<team admin key>"
               f"  (ledger: {options.database_url or 'embedded SQLite'};"
               f" infermesh teams create T && infermesh keys create --team T --admin"

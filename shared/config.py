@@ -34,6 +34,10 @@ class BusConfig:
     nats_tls_ca: str = ""
     nats_tls_cert: str = ""
     nats_tls_key: str = ""
+    # Prometheus /metrics and /health on a port of their own (shared/metrics.py): -1 none, 0 any free port. Not
+    # on the API's port: the GenAI histograms carry team labels
+    metrics_port: int = -1
+    metrics_host: str = "127.0.0.1"
 
     def credentials(self) -> NatsCredentials:
         return NatsCredentials(self.nats_user, self.nats_password, self.nats_creds, self.nats_tls_ca,

@@ -9,8 +9,11 @@ import signal
 import sys
 from typing import Awaitable, Callable, Protocol, Sequence, TypeVar
 
+from prometheus_client import CollectorRegistry
+
 from shared.bus import Bus
 from shared.config import BusConfig, load_config
+from shared.metrics import MetricsServer
 from shared.telemetry import setup_tracing
 
 C = TypeVar("C", bound=BusConfig)
@@ -40,6 +43,7 @@ async def serve(name: str, config: BusConfig, build: Callable[[Bus], Service | A
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await service.start()  # type: ignore[union-attr]
+    metrics = await _serve_metrics(name, config, service)
     # Everything allocated so far (modules, tokenizers, engine state) lives for the whole process:
     # keep it out of the collector's scans so per-request garbage collection stays short.
     gc.collect()
@@ -53,7 +57,8 @@ async def serve(name: str, config: BusConfig, build: Callable[[Bus], Service | A
         for wait in waits:
             wait.cancel()
         # Bounded: with NATS gone, unsubscribe/drain could wait for a reconnect forever.
-        for step in (service.stop, bus.close):  # type: ignore[union-attr]
+        steps = [service.stop, bus.close] if metrics is None else [metrics.stop, service.stop, bus.close]
+        for step in steps:  # type: ignore[union-attr]
             try:
                 await asyncio.wait_for(step(), STOP_TIMEOUT_S)
             except (asyncio.TimeoutError, Exception) as exc:
@@ -61,6 +66,19 @@ async def serve(name: str, config: BusConfig, build: Callable[[Bus], Service | A
     if fatal is not None and fatal.is_set() and not stop.is_set():
         logging.getLogger(name).critical("%s failed on its own: exiting 1 (a supervisor restarts it)", name)
         raise SystemExit(1)
+
+
+async def _serve_metrics(name: str, config: BusConfig, service: Service) -> MetricsServer | None:
+    """The service's Prometheus registry (``service.metrics``) on ``--metrics-port``, if asked for."""
+    registry = getattr(service, "metrics", None)
+    if config.metrics_port < 0 or not isinstance(registry, CollectorRegistry):
+        return None
+    health = getattr(service, "healthy", None)
+    server = MetricsServer(registry, config.metrics_host, config.metrics_port,
+                           health if callable(health) else (lambda: True))
+    port = await server.start()
+    logging.getLogger(name).info("metrics on http://%s:%d/metrics", config.metrics_host, port)
+    return server
 
 
 def main(name: str, config_type: type[C], build: Callable[[C, Bus], Service],

@@ -43,6 +43,7 @@ from shared import schema
 from shared.bus import Bus
 from shared.kv_cas import ensure_bucket
 from shared.kv_follower import KvFollower
+from shared.metrics import service_registry
 from shared.registry import WorkerDirectory
 from shared.schema import (
     SERVING_ROLES,
@@ -94,7 +95,12 @@ class AdmissionService:
         self._cleared: list[str] = []  # holds the ledger passed, still to delete from the bucket
         self._billing = KvFollower(bus, bus.subjects.billing_bucket, "billing", _decode_billing)
         self._billing.on_put.append(self._on_billing)
-        self.stats: Counter[str] = Counter()
+        self.stats: Counter[str] = Counter()  # requests, granted, queued, rejected:<code>, ...
+        self.metrics = service_registry("infermesh_admission", lambda: self.stats, lambda: {
+            "leader": float(self.leadership.is_leader),
+            "queue_depth": {model: len(ledger.waiters) for model, ledger in self.ledgers.items()},
+            "leases_held": {model: len(ledger.leases) for model, ledger in self.ledgers.items()},
+            "used_tokens": {model: ledger.used_tokens for model, ledger in self.ledgers.items()}})
         bucket = bus.subjects.leases_bucket
         self.leadership = Leadership(bus, bucket, self.admission_id, config.leader_ttl_s, self._elected,
                                      self._deposed)

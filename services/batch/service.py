@@ -42,6 +42,7 @@ from shared.batch_schema import (
 from shared.bus import Bus
 from shared.files import FileNotFound, FileStore, ensure_files_bucket
 from shared.kv_cas import ensure_bucket
+from shared.metrics import service_registry
 from shared.telemetry import traced
 
 log = logging.getLogger("infermesh.batch")
@@ -63,6 +64,9 @@ class BatchService:
         self.engine = create_engine(database_url(config.database_url))
         self.files = FileStore(bus)
         self.runner = Runner(bus, self.files, config, self._save)
+        self.metrics = service_registry("infermesh_batch", lambda: self.runner.stats, lambda: {
+            "leader": float(self.leadership.is_leader), "jobs_running": len(self.runner.runs),
+            "lines_in_flight": sum(len(run.in_flight) for run in self.runner.runs.values())})
         self.leadership = Leadership(bus, bus.subjects.batch_bucket, self.replica_id, config.leader_ttl_s,
                                      self._elected, self._deposed, service="batch")
         self._subs: list = []

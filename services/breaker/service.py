@@ -24,6 +24,7 @@ from services.breaker.config import BreakerConfig
 from services.breaker.state import Breaker, State, Transition
 from shared.breakers import BreakerView, RecordConflict
 from shared.bus import Bus
+from shared.metrics import service_registry
 from shared.registry import WorkerDirectory
 from shared.schema import BreakerRecord, BreakerTransition, Outcome, WorkerInfo
 from shared.tasks import cancel_and_wait
@@ -39,6 +40,8 @@ class BreakerService:
         self.directory = WorkerDirectory(bus)
         self.breakers: dict[str, Breaker] = {}
         self.stats: Counter[str] = Counter()  # transitions:<state>, transitions:<reason>, outcomes, ...
+        self.metrics = service_registry("infermesh_breaker", lambda: self.stats, lambda: {
+            "workers": {state.value: sum(b.state is state for b in self.breakers.values()) for state in State}})
         self._writes: asyncio.Queue[Transition] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._sub = None

@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator, Callable
 
 import msgspec
 from opentelemetry import trace
+from prometheus_client import CollectorRegistry
 
 from services.edge import tracing
 from services.edge.admission import CLASSES
@@ -33,6 +34,7 @@ from services.edge.protocol import MAX_ID_LENGTH
 from services.edge.tokenizer import ModelTokenizer
 from services.edge.tools import ContentDelta, ToolCallParser, ToolLimits, make_parser
 from shared import errors
+from shared.metrics import GenAiServerMetrics
 from shared.schema import BillingContext, LeaseRelease, UsageEvent
 
 log = logging.getLogger("infermesh.edge")
@@ -59,6 +61,8 @@ class EdgeApi:
         self._billing: set[asyncio.Task[None]] = set()
         self.prep = PrepPool(config.prep_processes, config.inline_prep_bytes)
         self.limits = ToolLimits(config.max_tools, config.max_tools_bytes, config.max_schema_depth)
+        self.metrics = CollectorRegistry()  # the edge service adds its counters (service.py)
+        self.genai = GenAiServerMetrics(self.metrics)
 
     # ------------------------------------------------------------ auth
     def authenticate(self, authorization: str | None) -> Caller:
@@ -205,6 +209,10 @@ class EdgeApi:
                 usage.migration_prefill_tokens, usage.deployment or self.mesh.local.name, bill.batch_id))
         if span is not None:
             span.set_attributes({"infermesh.usage_seq": seq, "infermesh.billed": bool(seq)})
+        if usage is not None and usage.status == "finished":
+            self.genai.observe((bill.model, bill.caller.team), time.time() - bill.arrived,
+                               usage.ttft_ms / 1000 if usage.completion_tokens else None, usage.completion_tokens,
+                               bill.trace_id)
         if bill.lease is not None and bill.lease[0].admission is not None:
             link, lease_id = bill.lease
             spent = None

@@ -17,6 +17,7 @@ from services.edge.config import EdgeConfig
 from services.edge.connection import HeaderLimits, guarded_protocol
 from services.edge.mesh import EdgeMesh
 from shared.bus import Bus
+from shared.metrics import StatsCollector
 
 log = logging.getLogger("infermesh.edge")
 
@@ -30,6 +31,8 @@ class EdgeService:
         self.app = create_app(self.api)
         self.batch_lines = BatchLineServer(bus, {"/v1/chat/completions": self.api.chat_completions,
                                                  "/v1/completions": self.api.completions})
+        self.metrics = self.api.metrics  # the GenAI histograms (model, team) and the edge's own counters
+        self.metrics.register(StatsCollector("infermesh_edge", self._counters))
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
         self.port = config.http_port
@@ -55,6 +58,12 @@ class EdgeService:
             await asyncio.sleep(0.02)
         self.port = self._server.servers[0].sockets[0].getsockname()[1]
         log.info("edge %s listening on http://%s:%d/v1", self.edge_id, self.config.host, self.port)
+
+    def _counters(self) -> dict[str, int]:
+        orphans = self.mesh.orphans.stats if self.mesh.orphans is not None else {}
+        return {**{f"batch_lines:{k}": v for k, v in self.batch_lines.stats.items()},
+                **{f"orphans:{k}": v for k, v in orphans.items()},
+                **{f"deployments:{k}": v for k, v in self.mesh.failover.stats.items()}}
 
     def _shared_socket(self) -> socket.socket:
         """A listening socket other edges may bind too (SO_REUSEPORT): the kernel spreads new connections."""

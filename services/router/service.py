@@ -20,6 +20,7 @@ from collections import Counter
 
 from nats.aio.msg import Msg
 from opentelemetry import trace
+from prometheus_client import Histogram
 
 from services.router.config import RouterConfig
 from services.router.index import PrefixIndex
@@ -29,6 +30,7 @@ from services.router.scoring import LoadView
 from services.router.session_store import BindingConflict, SessionStore
 from shared.breakers import BreakerView
 from shared.bus import Bus, BusError
+from shared.metrics import service_registry
 from shared.registry import WorkerDirectory
 from shared.schema import (
     SERVING_ROLES,
@@ -47,6 +49,7 @@ from shared.schema import (
 from shared.tasks import cancel_and_wait
 from shared.telemetry import tracer
 
+DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 log = logging.getLogger("infermesh.router")
 _tracer = tracer("infermesh.router")
 QUEUE_GROUP = "router"
@@ -68,6 +71,10 @@ class RouterService:
         self.sessions = SessionStore(bus, config.session_idle_ttl_s) if config.affinity else None
         self.breakers = BreakerView(bus)  # the breaker service's state: open and half-open workers get no traffic
         self.stats: Counter[str] = Counter()  # decisions, sticky, repins[:reason], replays, snapshots, ...
+        self.metrics = service_registry("infermesh_router", lambda: self.stats, lambda: {
+            "workers_live": len(self.directory.live()), "index_blocks": self.index.num_blocks()})
+        self._decision_s = Histogram("infermesh_router_decision_seconds", "Time to route one request",
+                                     buckets=DECISION_BUCKETS, registry=self.metrics)
         self._syncs: dict[str, asyncio.Task[None]] = {}
         self._subs: list[object] = []
 
@@ -216,7 +223,10 @@ class RouterService:
             span.set_attributes({"infermesh.request_id": request.request_id, "infermesh.router_id": self.router_id,
                                  "infermesh.session_id": request.session_id or "",
                                  "infermesh.num_prompt_tokens": request.num_prompt_tokens})
-            plan = await self.decide(request)
+            with self._decision_s.time():
+                plan = await self.decide(request)
+            if isinstance(plan.reply, RouteDecision) and plan.overlap_blocks:
+                self.stats["cache_hits"] += 1  # (hit rate: cache_hits / decisions)
             if span.is_recording():
                 span.set_attributes(plan.span_attributes())
             await self.bus.respond(raw, plan.reply)

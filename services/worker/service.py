@@ -31,6 +31,7 @@ from services.worker.engine_restart import EngineRestartPolicy
 from services.worker.engines import Engine, EngineRequestError, EngineSpec, create_engine
 from services.worker.engines.base import ENGINE_PRIORITY, EngineDead, PromptTokens
 from services.worker.kv_log import KvEventLog
+from services.worker.metrics import worker_metrics
 from services.worker.orphans import OrphanReaper
 from shared import schema
 from shared.bus import Bus, TokenStreamSender, is_reply_inbox
@@ -82,6 +83,7 @@ class WorkerService:
         self.serving = False  # the engine is up and the worker takes requests
         self.restarts = EngineRestartPolicy(started_at=time.monotonic())
         self.fatal = asyncio.Event()  # the engine could not be restarted: the process should exit non-zero
+        self.metrics, self._genai = worker_metrics(self)
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -251,6 +253,9 @@ class WorkerService:
                                          "infermesh.num_output_tokens": num_output})
                     span.add_event("finish", {"infermesh.finish_reason": out.finish_reason})
                     tracing.record_engine(span, out.timings)
+                    self._genai.observe((request.model,), time.monotonic() - received_at,
+                                        ttft_ms / 1000 if num_output > resumed else None, num_output - resumed,
+                                        tracing.trace_id(span))
                     if out.finish_reason == "abort":
                         self._num_aborted += 1
                     else:

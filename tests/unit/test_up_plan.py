@@ -44,6 +44,7 @@ def test_worker_flags_carry_role_connector_and_pool_budget(tmp_path):
     class Recorder:
         def __init__(self) -> None:
             self.services: dict[str, list[str]] = {}
+            self.metrics_ports: dict[str, int] = {}
 
         def python_service(self, name, module, args, env) -> None:
             self.services[name] = args
@@ -57,3 +58,7 @@ def test_worker_flags_carry_role_connector_and_pool_budget(tmp_path):
         flags = dict(zip(args[::2], args[1::2], strict=True))
         assert flags["--role"] == role and flags["--kv-connector"] == "nixl" and flags["--cpu-core"] == core
         assert flags["--max-num-batched-tokens"] == budget and float(flags["--heartbeat-ttl-s"]) >= 10
+    # every service its own metrics port, from the base up, and the banner's list is that one
+    ports = {name: int(args[args.index("--metrics-port") + 1]) for name, args in group.services.items()}
+    assert sorted(ports.values()) == list(range(9464, 9464 + len(ports))) and ports == group.metrics_ports
+    assert {"router-0", "breaker", "admission-0", "batch", "edge-0", "worker-prefill-0"} <= set(ports)

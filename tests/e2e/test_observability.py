@@ -1,14 +1,20 @@
-"""One request, one trace, through every service: ``infermesh up`` (each service its own process, each exporting
-over OTLP/HTTP as it would to Jaeger or Phoenix) sends its spans to a real OTLP receiver the test runs, and the
-test checks the tree an operator would see: one trace id, every hop a child of the hop that sent it, each span
-with its attributes, and durations that nest."""
+"""What an operator sees of one request on ``infermesh up`` (each service its own process):
+
+- its trace: every service exports over OTLP/HTTP, as it would to Jaeger or Phoenix, to a real OTLP receiver the
+  test runs, and the test checks the tree: one trace id, every hop a child of the hop that sent it, each span
+  with its attributes, durations that nest;
+- its metrics: every service's ``/metrics`` (the ports ``infermesh up`` prints), scraped as Prometheus does
+  (OpenMetrics), with the GenAI histograms moved and their exemplars naming the request's trace."""
 
 from __future__ import annotations
 
+import re
 import uuid
 
+import httpx
 import openai
 import pytest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from shared.ports import free_port
 from tests.e2e.mesh_process import UpProcess
@@ -40,24 +46,30 @@ def workers_spans(spans: list[ReceivedSpan], parent: ReceivedSpan) -> list[str]:
     return sorted(s.name for s in spans if s.parent_id == parent.span_id)
 
 
-async def test_a_disaggregated_request_is_one_tree_across_every_service(nats_url, tiny_model, tmp_path):
+@pytest.fixture(scope="module")
+async def served(nats_url, tiny_model, tmp_path_factory):
+    """One disaggregated completion on ``infermesh up --pd 1:1`` (sim), traced to a receiver; the mesh stays up."""
     port = free_port()
     with OtlpReceiver() as otlp:
         up = UpProcess(["--engine", "sim", "--pd", "1:1", "--sim-profile", "gb200-glm53", "--sim-clock-factor", "20",
                         "--model", "tiny", "--model-path", str(tiny_model), "--nats-url", nats_url,
                         "--namespace", f"t{uuid.uuid4().hex[:8]}", "--http-port", str(port), "--billing-port", "0",
-                        "--state-dir", str(tmp_path)],
+                        "--metrics-port-base", "0", "--state-dir", str(tmp_path_factory.mktemp("observed"))],
                        env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"})
         up.start(timeout_s=90)
         try:
             client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=up.key, max_retries=0)
             raw = await client.completions.with_raw_response.create(
                 model="tiny", prompt=list(range(5, 400)), max_tokens=8, extra_headers={"x-session-id": "agent-7"})
-            done = raw.parse()
             trace_id = raw.headers["traceparent"].split("-")[1]
             await eventually(lambda: EXPECTED <= {s.name for s in otlp.of_trace(trace_id)}, 20)
+            yield {"raw": raw, "done": raw.parse(), "trace_id": trace_id, "otlp": otlp, "up": up}
         finally:
             assert up.stop() == 0
+
+
+async def test_a_disaggregated_request_is_one_tree_across_every_service(served):
+    raw, done, trace_id, otlp = served["raw"], served["done"], served["trace_id"], served["otlp"]
     spans = otlp.of_trace(trace_id)
     s = by_name(spans)
     edge, attempt, decode, prefill = s["text_completion tiny"], s["attempt"], s["decode"], s["prefill"]
@@ -109,3 +121,59 @@ async def test_a_disaggregated_request_is_one_tree_across_every_service(nats_url
         assert worker.attributes["infermesh.engine.num_preemptions"] == 0
         assert "first_token" in worker.events and "finish" in worker.events
     assert s["usage.publish"].attributes["infermesh.billed"] is True
+
+
+def metrics_ports(up: UpProcess) -> dict[str, int]:
+    """The ports ``infermesh up`` printed: ``metrics  : http://127.0.0.1:<port>/metrics  (router-0 :9464, ...)``."""
+    line = next(line for line in up.lines if line.strip().startswith("metrics"))
+    return {name: int(port) for name, port in re.findall(r"([\w-]+) :(\d+)", line.split("(", 1)[1])}
+
+
+async def scrape(port: int) -> dict[str, list]:
+    """One scrape as Prometheus makes it (OpenMetrics, for the exemplars): metric family name -> samples."""
+    async with httpx.AsyncClient() as http:
+        reply = await http.get(f"http://127.0.0.1:{port}/metrics",
+                               headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+    assert reply.status_code == 200 and reply.headers["content-type"].startswith("application/openmetrics-text")
+    return {family.name: family.samples for family in text_string_to_metric_families(reply.text)}
+
+
+def value(samples: list, name: str, **labels: str) -> float:
+    return sum(s.value for s in samples if s.name == name and labels.items() <= s.labels.items())
+
+
+async def test_every_service_serves_metrics_and_the_genai_histograms_moved(served):
+    ports = metrics_ports(served["up"])
+    assert {"router-0", "breaker", "admission-0", "batch", "worker-prefill-0", "worker-decode-0"} <= set(ports)
+    m = {name: await scrape(port) for name, port in ports.items() if name != "metering"}
+    edges = [samples for name, samples in m.items() if name.startswith("edge")]  # (up runs 2, on one port)
+    assert len(edges) >= 1
+
+    def edge_total(family: str, **labels: str) -> float:
+        return sum(value(e.get(family, []), f"{family}_count", **labels) for e in edges)
+
+    assert edge_total("gen_ai_server_request_duration_seconds", gen_ai_request_model="tiny") >= 1
+    exemplars = [s.exemplar.labels for e in edges for s in e["gen_ai_server_request_duration_seconds"]
+                 if s.exemplar is not None]
+    assert {"trace_id": served["trace_id"]} in exemplars  # from the histogram to the request's trace
+    assert edge_total("gen_ai_server_time_to_first_token_seconds", gen_ai_request_model="tiny") >= 1
+    assert edge_total("gen_ai_server_time_per_output_token_seconds") >= 1  # 8 tokens: 7 after the first
+    decode = m["worker-decode-0"]
+    assert value(decode["gen_ai_server_time_to_first_token_seconds"],
+                 "gen_ai_server_time_to_first_token_seconds_count", gen_ai_request_model="tiny") >= 1
+    assert value(decode["infermesh_worker_requests"], "infermesh_worker_requests_total", kind="finished") >= 1
+    assert value(decode["infermesh_worker_kv_blocks"], "infermesh_worker_kv_blocks", of="total") > 0
+    assert value(m["worker-prefill-0"]["infermesh_worker_requests"], "infermesh_worker_requests_total") >= 1
+    def total(service: str, family: str, sample: str, **labels: str) -> float:  # over the service's replicas
+        return sum(value(samples.get(family, []), sample, **labels) for name, samples in m.items()
+                   if name.rstrip("0123456789-") == service)
+
+    assert total("router", "infermesh_router_decisions", "infermesh_router_decisions_total") >= 1
+    assert total("router", "infermesh_router_decision_seconds", "infermesh_router_decision_seconds_count") >= 1
+    assert value(m["router-0"]["infermesh_router_workers_live"], "infermesh_router_workers_live") == 2
+    assert total("admission", "infermesh_admission_granted", "infermesh_admission_granted_total") >= 1
+    assert total("admission", "infermesh_admission_leader", "infermesh_admission_leader") == 1  # one leader
+    assert value(m["breaker"]["infermesh_breaker_workers"], "infermesh_breaker_workers", of="closed") == 2
+    assert "infermesh_batch_jobs_running" in m["batch"]
+    async with httpx.AsyncClient() as http:  # the same port answers a health probe
+        assert (await http.get(f"http://127.0.0.1:{ports['router-0']}/health")).status_code == 200
