@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 from litestar import Litestar, Request, Response, get
@@ -20,7 +21,8 @@ log = logging.getLogger("infermesh.edge")
 
 
 def _error_response(exc: errors.ApiError) -> Response[bytes]:
-    return Response(exc.json(), status_code=exc.status, media_type="application/json", headers=exc.headers)
+    headers = {"x-request-id": uuid.uuid4().hex, **exc.headers}  # every reply names its request, errors too
+    return Response(exc.json(), status_code=exc.status, media_type="application/json", headers=headers)
 
 
 def _on_api_error(_request: Request, exc: errors.ApiError) -> Response[bytes]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -160,9 +161,12 @@ async def _send(send: Callable[[dict[str, Any]], Awaitable[None]], reply: Reply)
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def error_reply(exc: errors.ApiError, close: bool = False) -> JsonReply:
-    """The error as a reply; ``close``: the body may be unread, so the connection must not be reused."""
-    headers = {**exc.headers, "Connection": "close"} if close else exc.headers
+def error_reply(exc: errors.ApiError, close: bool = False, request_id: str = "") -> JsonReply:
+    """The error as a reply; ``close``: the body may be unread, so the connection must not be reused. Every
+    reply names its request (``x-request-id``, as OpenAI's do): the request's own, else a new one."""
+    headers = {"x-request-id": request_id or uuid.uuid4().hex, **exc.headers}
+    if close:
+        headers["Connection"] = "close"
     return JsonReply(exc.status, exc.json(), headers)
 
 
@@ -181,6 +185,7 @@ async def serve(scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str,
     except errors.ApiError as exc:
         await _send(send, error_reply(exc, close=True))
         return
+    request.request_id = request.request_id or uuid.uuid4().hex  # named now: its errors carry it too
     gone = asyncio.Event()
 
     async def watch() -> None:
@@ -201,7 +206,7 @@ async def serve(scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str,
         try:
             reply = await handler(request)
         except errors.ApiError as exc:
-            reply = error_reply(exc)
+            reply = error_reply(exc, request_id=request.request_id)
         await _send(tracked_send, reply)
     except asyncio.CancelledError:
         if not gone.is_set():
@@ -212,6 +217,7 @@ async def serve(scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str,
         if started:
             return  # mid-stream: nothing valid can follow; the server closes the connection
         await _send(send, error_reply(errors.ApiError(
-            500, "The server had an error while processing your request.", "server_error", None, "internal_error")))
+            500, "The server had an error while processing your request.", "server_error", None, "internal_error"),
+            request_id=request.request_id))
     finally:
         watcher.cancel()

@@ -113,6 +113,12 @@ async def test_openai_shaped_errors_keep_services_up(mesh, client):
     with pytest.raises(openai.BadRequestError) as too_many:
         await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10_000)
     assert too_many.value.code == "context_length_exceeded"
+    # every error names its request, as OpenAI's do (the SDK reads it): before the key is checked, in validation
+    named = [e401.value, e404.value, too_long.value, too_many.value]
+    assert all(len(e.request_id or "") == 32 for e in named) and len({e.request_id for e in named}) == 4
+    assert missing.headers["x-request-id"] and garbage.headers["x-request-id"]
+    async with httpx.AsyncClient(base_url=mesh.base_url) as http:
+        assert (await http.get("/nowhere")).headers["x-request-id"]  # (Litestar's own 404s too)
     ok = await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3)
     assert ok.usage.completion_tokens == 3
 
