@@ -290,13 +290,33 @@ def _describe_workers(options: MeshOptions) -> str:
             f"{len(processes)} processes{profile}, clock x{options.sim_clock_factor:g}")
 
 
-def _metrics_lines(group: ProcessGroup, options: MeshOptions) -> str:
-    """Where each service's Prometheus metrics are (metering's are on its billing port)."""
-    if not group.metrics_ports:
-        return ""
+def _scrape_ports(group: ProcessGroup, options: MeshOptions) -> dict[str, int]:
+    """Each service's Prometheus port (metering's metrics are on its billing port)."""
     ports = {name: port for name, port in group.metrics_ports.items() if name != "metering"}
+    return {**ports, "metering": options.billing_port} if ports else {}
+
+
+def write_scrape_targets(group: ProcessGroup, options: MeshOptions, state: Path) -> Path | None:
+    """The mesh's metrics ports as a Prometheus file_sd file (deploy/prometheus/prometheus.yml reads it)."""
+    ports = _scrape_ports(group, options)
+    if not ports:
+        return None
+    path = state / "prometheus" / "targets.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    host = "127.0.0.1" if options.host in ("0.0.0.0", "::") else options.host
+    path.write_text(json.dumps([{"targets": [f"{host}:{port}"], "labels": {"service": name.rstrip("0123456789-"),
+                                                                            "instance_name": name}}
+                                for name, port in ports.items()], indent=1))
+    return path
+
+
+def _metrics_lines(group: ProcessGroup, options: MeshOptions, targets: Path | None) -> str:
+    ports = _scrape_ports(group, options)
+    if not ports:
+        return ""
     listed = ", ".join(f"{name} :{port}" for name, port in ports.items())
-    return (f"  metrics  : http://{options.host}:<port>/metrics  ({listed}; metering :{options.billing_port})\n")
+    return (f"  metrics  : http://{options.host}:<port>/metrics  ({listed})\n"
+            f"             Prometheus file_sd targets: {targets}\n")
 
 
 def run_mesh(options: MeshOptions) -> int:
@@ -315,10 +335,11 @@ def run_mesh(options: MeshOptions) -> int:
                 return 1
             return 0
         base_url = f"http://{options.host}:{options.http_port}/v1"
+        targets = write_scrape_targets(group, options, state)
         _say("ready")
         print(f"\n  base URL : {base_url}\n  API key  : {options.dev_key}\n  model    : {options.model}"
               f"\n  engine   : {_describe_workers(options)}\n  logs     : {group.log_dir}\n"
-              f"{_metrics_lines(group, options)}"
+              f"{_metrics_lines(group, options, targets)}"
               f"  billing  : http://{options.host}:{options.billing_port}/dashboard/<team>#key=<team admin key>"
               f"  (ledger: {options.database_url or 'embedded SQLite'};"
               f" infermesh teams create T && infermesh keys create --team T --admin"

@@ -60,12 +60,13 @@ class StatsCollector(Collector):
     """A service's counters (its ``stats``), read at scrape time: ``name`` becomes
     ``<prefix>_name_total``, ``name:kind`` the same counter with label ``kind``."""
 
-    def __init__(self, prefix: str, stats: Callable[[], Mapping[str, int | float]]) -> None:
-        self.prefix, self.stats = prefix, stats
+    def __init__(self, prefix: str, stats: Callable[[], Mapping[str, int | float]], known: tuple[str, ...] = ()):
+        self.prefix, self.stats, self.known = prefix, stats, known  # known: exported at 0 before they count
 
     def collect(self) -> Iterable[Metric]:
         families: dict[str, CounterMetricFamily] = {}
-        for key, value in sorted(self.stats().items()):
+        stats = {**{name: 0 for name in self.known}, **self.stats()}
+        for key, value in sorted(stats.items()):
             name, _, kind = key.partition(":")
             metric = f"{self.prefix}_{_safe(name)}"
             family = families.get(metric)
@@ -156,11 +157,12 @@ class MetricsServer:
         return "404 Not Found", b"not found\n", "text/plain"
 
 
-def service_registry(prefix: str, stats: Callable[[], Mapping[str, int | float]],
-                     gauges: Gauges | None = None) -> CollectorRegistry:
-    """A service's own registry: its counters and gauges, read at each scrape."""
+def service_registry(prefix: str, stats: Callable[[], Mapping[str, int | float]], gauges: Gauges | None = None,
+                     known: tuple[str, ...] = ()) -> CollectorRegistry:
+    """A service's own registry: its counters (``known`` ones exported at 0 from the start, so dashboards and
+    alerts find them) and gauges, read at each scrape."""
     registry = CollectorRegistry()
-    registry.register(StatsCollector(prefix, stats))
+    registry.register(StatsCollector(prefix, stats, known))
     if gauges is not None:
         registry.register(GaugesCollector(prefix, gauges))
     return registry

@@ -100,7 +100,8 @@ class AdmissionService:
             "leader": float(self.leadership.is_leader),
             "queue_depth": {model: len(ledger.waiters) for model, ledger in self.ledgers.items()},
             "leases_held": {model: len(ledger.leases) for model, ledger in self.ledgers.items()},
-            "used_tokens": {model: ledger.used_tokens for model, ledger in self.ledgers.items()}})
+            "used_tokens": {model: ledger.used_tokens for model, ledger in self.ledgers.items()}},
+            known=("requests", "granted", "queued", "rejected"))
         bucket = bus.subjects.leases_bucket
         self.leadership = Leadership(bus, bucket, self.admission_id, config.leader_ttl_s, self._elected,
                                      self._deposed)

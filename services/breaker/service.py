@@ -41,7 +41,8 @@ class BreakerService:
         self.breakers: dict[str, Breaker] = {}
         self.stats: Counter[str] = Counter()  # transitions:<state>, transitions:<reason>, outcomes, ...
         self.metrics = service_registry("infermesh_breaker", lambda: self.stats, lambda: {
-            "workers": {state.value: sum(b.state is state for b in self.breakers.values()) for state in State}})
+            "workers": {state.value: sum(b.state is state for b in self.breakers.values()) for state in State}},
+            known=("outcomes", "transitions"))
         self._writes: asyncio.Queue[Transition] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._sub = None

@@ -72,7 +72,8 @@ class RouterService:
         self.breakers = BreakerView(bus)  # the breaker service's state: open and half-open workers get no traffic
         self.stats: Counter[str] = Counter()  # decisions, sticky, repins[:reason], replays, snapshots, ...
         self.metrics = service_registry("infermesh_router", lambda: self.stats, lambda: {
-            "workers_live": len(self.directory.live()), "index_blocks": self.index.num_blocks()})
+            "workers_live": len(self.directory.live()), "index_blocks": self.index.num_blocks()},
+            known=("decisions", "cache_hits", "sticky", "repins", "probes", "affinity_errors"))
         self._decision_s = Histogram("infermesh_router_decision_seconds", "Time to route one request",
                                      buckets=DECISION_BUCKETS, registry=self.metrics)
         self._syncs: dict[str, asyncio.Task[None]] = {}

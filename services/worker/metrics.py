@@ -16,20 +16,19 @@ if TYPE_CHECKING:
 
 def worker_metrics(worker: "WorkerService") -> tuple[CollectorRegistry, GenAiServerMetrics]:
     def counters() -> dict[str, int]:
-        return {"requests:finished": worker._num_finished, "requests:aborted": worker._num_aborted,
-                "engine_restarts": worker.restarts.restarts}
+        figures = {"requests:finished": worker._num_finished, "requests:aborted": worker._num_aborted,
+                   "engine_restarts": worker.restarts.restarts}
+        prompt = worker.engine.load().prompt_tokens
+        if prompt is not None:  # where prompt tokens came from: prefilled here, prefix-cache hits, pulled from a peer
+            figures.update({"prompt_tokens:computed": prompt.computed, "prompt_tokens:cached": prompt.cached,
+                            "prompt_tokens:transferred": prompt.transferred})
+        return figures
 
     def gauges() -> dict[str, float | dict[str, float]]:
         load = worker.engine.load()
-        prompt = load.prompt_tokens
-        figures: dict[str, float | dict[str, float]] = {
-            "running": load.num_running, "waiting": load.num_waiting, "serving": float(worker.serving),
-            "kv_blocks": {"used": load.num_active_blocks, "total": load.num_kv_blocks},
-            "kv_usage": load.num_active_blocks / load.num_kv_blocks if load.num_kv_blocks else 0.0}
-        if prompt is not None:  # engines that count them: prefilled here, prefix-cache hits, pulled from a peer
-            figures["prompt_tokens"] = {"computed": prompt.computed, "cached": prompt.cached,
-                                        "transferred": prompt.transferred}
-        return figures
+        return {"running": load.num_running, "waiting": load.num_waiting, "serving": float(worker.serving),
+                "kv_blocks": {"used": load.num_active_blocks, "total": load.num_kv_blocks},
+                "kv_usage": load.num_active_blocks / load.num_kv_blocks if load.num_kv_blocks else 0.0}
 
     registry = service_registry("infermesh_worker", counters, gauges)
     return registry, GenAiServerMetrics(registry, ("gen_ai_request_model",))

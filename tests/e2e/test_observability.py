@@ -8,13 +8,16 @@
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
+from prometheus_client.parser import text_string_to_metric_families as text_families
 
 from shared.ports import free_port
 from tests.e2e.mesh_process import UpProcess
@@ -53,8 +56,9 @@ async def served(nats_url, tiny_model, tmp_path_factory):
     with OtlpReceiver() as otlp:
         up = UpProcess(["--engine", "sim", "--pd", "1:1", "--sim-profile", "gb200-glm53", "--sim-clock-factor", "20",
                         "--model", "tiny", "--model-path", str(tiny_model), "--nats-url", nats_url,
-                        "--namespace", f"t{uuid.uuid4().hex[:8]}", "--http-port", str(port), "--billing-port", "0",
-                        "--metrics-port-base", "0", "--state-dir", str(tmp_path_factory.mktemp("observed"))],
+                        "--namespace", f"t{uuid.uuid4().hex[:8]}", "--http-port", str(port),
+                        "--billing-port", str(free_port()), "--metrics-port-base", "0",
+                        "--state-dir", str(tmp_path_factory.mktemp("observed"))],
                        env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"})
         up.start(timeout_s=90)
         try:
@@ -164,6 +168,11 @@ async def test_every_service_serves_metrics_and_the_genai_histograms_moved(serve
     assert value(decode["infermesh_worker_requests"], "infermesh_worker_requests_total", kind="finished") >= 1
     assert value(decode["infermesh_worker_kv_blocks"], "infermesh_worker_kv_blocks", of="total") > 0
     assert value(m["worker-prefill-0"]["infermesh_worker_requests"], "infermesh_worker_requests_total") >= 1
+    prompt = {name: {kind: value(m[name]["infermesh_worker_prompt_tokens"], "infermesh_worker_prompt_tokens_total",
+                                 kind=kind) for kind in ("computed", "cached", "transferred")}
+              for name in ("worker-prefill-0", "worker-decode-0")}
+    assert prompt["worker-prefill-0"] == {"computed": 395, "cached": 0, "transferred": 0}  # the prompt, there
+    assert prompt["worker-decode-0"]["transferred"] >= 394 and prompt["worker-decode-0"]["computed"] <= 1
     def total(service: str, family: str, sample: str, **labels: str) -> float:  # over the service's replicas
         return sum(value(samples.get(family, []), sample, **labels) for name, samples in m.items()
                    if name.rstrip("0123456789-") == service)
@@ -177,3 +186,32 @@ async def test_every_service_serves_metrics_and_the_genai_histograms_moved(serve
     assert "infermesh_batch_jobs_running" in m["batch"]
     async with httpx.AsyncClient() as http:  # the same port answers a health probe
         assert (await http.get(f"http://127.0.0.1:{ports['router-0']}/health")).status_code == 200
+
+
+DASHBOARDS = Path(__file__).parents[2] / "deploy" / "grafana" / "dashboards"
+LABELS = {"gen_ai_request_model"}  # (a label the queries group by, not a metric)
+
+
+def dashboard_metrics() -> set[str]:
+    """Every metric the committed Grafana dashboards query."""
+    names = set()
+    for path in DASHBOARDS.glob("*.json"):
+        for panel in json.loads(path.read_text())["panels"]:
+            for target in panel["targets"]:
+                names |= set(re.findall(r"\b(?:infermesh|gen_ai)_[a-z0-9_]+", target["expr"]))
+    return names - LABELS
+
+
+async def test_the_dashboards_query_what_the_services_export_and_up_wrote_the_scrape_targets(served):
+    up = served["up"]
+    ports = metrics_ports(up)
+    exported: set[str] = set()
+    async with httpx.AsyncClient() as http:
+        for port in ports.values():
+            text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text  # (metering's: the classic format)
+            exported |= {sample.name for family in text_families(text) for sample in family.samples}
+    queried = dashboard_metrics()
+    assert len(queried) >= 20 and not queried - exported, sorted(queried - exported)
+    line = next(line for line in up.lines if "file_sd targets" in line)
+    targets = json.loads(Path(line.split("targets:")[1].strip()).read_text())
+    assert {t["labels"]["instance_name"]: int(t["targets"][0].rsplit(":", 1)[1]) for t in targets} == ports
