@@ -165,8 +165,9 @@ def _on_unexpected(_request: Request, exc: Exception) -> Response[bytes]:
                                     "server_error", None, "internal_error"))
 
 
-def create_billing_app(engine: AsyncEngine, key_cache_ttl_s: float = 1.0) -> Litestar:
-    """The billing API and dashboard over ``engine`` (the ledger's database; this app only reads)."""
+def create_billing_app(engine: AsyncEngine, key_cache_ttl_s: float = 1.0, trace_url: str = "") -> Litestar:
+    """The billing API and dashboard over ``engine`` (the ledger's database; this app only reads). ``trace_url``:
+    the trace UI's page of a trace (``{trace_id}`` in it), which usage rows link to."""
     sessions = async_sessionmaker(engine, expire_on_commit=False)
 
     async def lookup(key_hash: str) -> KeyRecord | None:
@@ -215,7 +216,7 @@ def create_billing_app(engine: AsyncEngine, key_cache_ttl_s: float = 1.0) -> Lit
         limit = _limit_param(request, 50, MAX_USAGE_ROWS)
         async with sessions() as session:
             rows = await billing.recent_usage(session, team, limit)
-        return {"team": team, "data": rows}
+        return {"team": team, "data": rows, "trace_url": trace_url}
 
     @get("/v1/billing/teams/{team:str}/jobs")
     async def jobs(request: Request) -> dict[str, Any]:

@@ -25,6 +25,9 @@ class MeteringConfig(BusConfig):
     writer_restart_s: float = 0.5  # a writer that died is restarted after this, doubling up to writer_restart_max_s
     writer_restart_max_s: float = 10.0
     max_lag_s: float = 30.0  # /health is 503 while a usage message stored this long ago is not yet in the ledger
+    # the trace UI's page of one trace, "{trace_id}" in it (Jaeger: http://127.0.0.1:16686/trace/{trace_id}): the
+    # dashboard links each usage row to its trace there; "" = no links
+    trace_url: str = ""
 
     def __post_init__(self) -> None:
         assert self.batch_size >= 1 and self.fetch_wait_s > 0 and self.ack_wait_s > 0 and self.sync_s > 0

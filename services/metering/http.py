@@ -18,9 +18,9 @@ from services.metering.metrics import prometheus_text
 
 
 class BillingServer:
-    def __init__(self, engine: AsyncEngine, service: Any, host: str, port: int) -> None:
+    def __init__(self, engine: AsyncEngine, service: Any, host: str, port: int, trace_url: str = "") -> None:
         self.service = service
-        self.app = create_billing_app(engine)
+        self.app = create_billing_app(engine, trace_url=trace_url)
         self._server = uvicorn.Server(uvicorn.Config(self._asgi, host=host, port=port, log_level="warning",
                                                      access_log=False, lifespan="off", loop="none",
                                                      interface="asgi3", proxy_headers=False))

@@ -124,7 +124,8 @@ class MeteringService:
         from services.metering.http import BillingServer
 
         assert self.engine is not None
-        self._billing = server = BillingServer(self.engine, self, self.config.billing_host, self.config.billing_port)
+        self._billing = server = BillingServer(self.engine, self, self.config.billing_host, self.config.billing_port,
+                                                    self.config.trace_url)
         await server.start()
         self.billing_port = server.port
 

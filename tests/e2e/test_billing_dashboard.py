@@ -26,6 +26,8 @@ CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "results" / "billing_dashboard" / "dashboard.png"
 OCTOBER = "month=2026-10&start=2026-10-01&end=2026-10-31"
 UTC = dt.timezone.utc
+TRACE_URL = "http://127.0.0.1:16686/trace/{trace_id}"  # Jaeger's page of one trace
+TRACED = "0af7651916cd43dd8448eb211c80319c"  # req-a3's trace (the other seeded rows' trace ids are not W3C ids)
 # Batch lines among the seeded acme rows (day, model, key prefix) -> (batch_requests, batch_cost_nano): inside the
 # totals, so every total on the page stays as seeded; only the interactive / batch split is new.
 BATCH_DAILY = {(dt.date(2026, 10, 1), "llama-8b", "im-acmeapp"): (2, 234_567_891),
@@ -55,8 +57,8 @@ class BillingServer:
         import uvicorn
 
         engine = create_async_engine(self._db_url)
-        config = uvicorn.Config(create_billing_app(engine), host="127.0.0.1", port=self.port, log_level="warning",
-                                lifespan="off")
+        config = uvicorn.Config(create_billing_app(engine, trace_url=TRACE_URL), host="127.0.0.1", port=self.port,
+                                log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
         try:
             await self._server.serve()
@@ -82,7 +84,8 @@ async def seed_batches(session: AsyncSession) -> None:
         await session.execute(update(UsageDaily).where(UsageDaily.team == "acme", UsageDaily.day == day,
                                                        UsageDaily.model == model, UsageDaily.key_prefix == prefix)
                               .values(batch_requests=requests, batch_cost_nano=cost))
-    await session.execute(update(Usage).where(Usage.request_id == "req-a3").values(batch_id="batch_acme_new"))
+    await session.execute(update(Usage).where(Usage.request_id == "req-a3").values(batch_id="batch_acme_new",
+                                                                                   trace_id=TRACED))
     session.add_all([BatchJob(id=job_id, team=team, endpoint="/v1/chat/completions", input_file_id=f"file-{job_id}",
                               status=status, total=total, completed=completed, failed=failed, created_at=created)
                      for job_id, team, status, total, completed, failed, created in BATCH_JOBS])
@@ -198,6 +201,18 @@ def test_batch_spend_and_jobs_show_apart_from_interactive(server, browser):
     # the jobs come from the one jobs endpoint, next to the page's other calls
     source = browser.execute_script("return document.scripts[0].textContent")
     assert 'call(key, "jobs", {})' in source
+
+
+def test_a_usage_row_links_to_its_trace_in_the_trace_ui(server, browser):
+    from selenium.webdriver.common.by import By
+
+    state = open_dashboard(browser, server.url(f"/dashboard/acme?{OCTOBER}#key={KEYS['acme_admin']}"))
+    assert state == "loaded", text_of(browser, "error")
+    links = browser.find_elements(By.CSS_SELECTOR, "#usage-table tbody a.trace")
+    assert [(a.text, a.get_attribute("href"), a.get_attribute("rel")) for a in links] == [
+        (TRACED, TRACE_URL.format(trace_id=TRACED), "noopener noreferrer")]  # rows without a W3C trace id: text
+    assert [r[9] for r in rows_of(browser, "usage-table")] == ["trace-req-a2-1", "trace-req-a2-0", TRACED,
+                                                               "trace-req-a1-0"]
 
 
 def test_another_teams_page_shows_403_and_none_of_its_numbers(server, browser):
