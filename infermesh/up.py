@@ -14,6 +14,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from infermesh.bus_auth import data_dir, start_locked_nats, tls_files
 from infermesh.processes import ProcessGroup
@@ -195,18 +196,18 @@ def start_processes(group: ProcessGroup, options: MeshOptions, model_path: str, 
                                      tls_files(options.nats_tls_cert, options.nats_tls_key, options.nats_tls_ca))
         _say(f"NATS with JetStream on {nats_url} (locked: a user per service role, secrets in {data_dir()})")
     env = {"INFERMESH_NATS_URL": nats_url, "INFERMESH_NAMESPACE": options.namespace}
-    group = _with_metrics_ports(group, options)
+    service = _metered(group, options)
     for i in range(options.router_replicas):
-        group.python_service(f"router-{i}", "services.router", ["--router-id", f"router-{i}"], env)
-    group.python_service("breaker", "services.breaker", [], env)
+        service(f"router-{i}", "services.router", ["--router-id", f"router-{i}"], env)
+    service("breaker", "services.breaker", [], env)
     for i in range(options.admission_replicas):
-        group.python_service(f"admission-{i}", "services.admission", ["--admission-id", f"admission-{i}"], env)
+        service(f"admission-{i}", "services.admission", ["--admission-id", f"admission-{i}"], env)
     metering_args = ["--billing-host", options.host, "--billing-port", str(options.billing_port)]
     if options.database_url:
         metering_args += ["--database-url", options.database_url]
-    group.python_service("metering", "services.metering", metering_args, env)
+    service("metering", "services.metering", metering_args, env)
     batch_args = ["--database-url", options.database_url] if options.database_url else []
-    group.python_service("batch", "services.batch", batch_args, env)  # jobs: /v1/batches and the bus
+    service("batch", "services.batch", batch_args, env)  # jobs: /v1/batches and the bus
     for i, process in enumerate(worker_processes(options)):
         args = ["--worker-id", process.worker_id, "--engine", options.engine, "--model", options.model,
                 "--model-path", model_path, "--max-model-len", str(options.max_model_len)]
@@ -221,36 +222,27 @@ def start_processes(group: ProcessGroup, options: MeshOptions, model_path: str, 
                 args += ["--max-num-batched-tokens", str(budget)]
         else:
             args += _sim_args(options, process)
-        group.python_service(process.name, "services.worker", args, env)
+        service(process.name, "services.worker", args, env)
     edge_secret = os.environ.get("INFERMESH_EDGE_SECRET") or secrets.token_hex(32)  # one for every edge, restarts too
     edge_args = ["--host", options.host, "--http-port", str(options.http_port)]
     if options.edge_replicas > 1:
         edge_args.append("--reuse-port")
     for i in range(options.edge_replicas):
-        group.python_service("edge" if options.edge_replicas == 1 else f"edge-{i}", "services.edge", edge_args,
+        service("edge" if options.edge_replicas == 1 else f"edge-{i}", "services.edge", edge_args,
                              {**env, "INFERMESH_DEV_KEY": options.dev_key, "INFERMESH_EDGE_SECRET": edge_secret})
     return nats_url
 
 
-class _MetricsPorts:
-    """``group`` whose services each get ``--metrics-port`` (recorded in ``group.metrics_ports``)."""
-
-    def __init__(self, group: ProcessGroup, options: MeshOptions) -> None:
-        self.group, self.options = group, options
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.group, name)
-
-    def python_service(self, name: str, module: str, args: list[str], env: dict[str, str]) -> object:
-        base, ports = self.options.metrics_port_base, self.group.metrics_ports
-        port = free_port() if base == 0 else base + len(ports)
-        ports[name] = port
-        return self.group.python_service(name, module, [*args, "--metrics-port", str(port), "--metrics-host",
-                                                        self.options.host], env)
-
-
-def _with_metrics_ports(group: ProcessGroup, options: MeshOptions) -> ProcessGroup:
-    return group if options.metrics_port_base < 0 else _MetricsPorts(group, options)  # type: ignore[return-value]
+def _metered(group: ProcessGroup, options: MeshOptions) -> Callable[[str, str, list[str], dict[str, str]], object]:
+    """``group.python_service``, each service given its ``--metrics-port`` (recorded in ``group.metrics_ports``)."""
+    def start(name: str, module: str, args: list[str], env: dict[str, str]) -> object:
+        base = options.metrics_port_base
+        if base >= 0:
+            port = free_port() if base == 0 else base + len(group.metrics_ports)
+            group.metrics_ports[name] = port
+            args = [*args, "--metrics-port", str(port), "--metrics-host", options.host]
+        return group.python_service(name, module, args, env)
+    return start
 
 
 def wait_ready(group: ProcessGroup, options: MeshOptions, stop: threading.Event) -> bool:

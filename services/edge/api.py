@@ -155,6 +155,7 @@ class EdgeApi:
         try:
             first = await events.__anext__()
             timing.first_token = time.time()
+            bill.first_token_at = timing.first_token if isinstance(first, str) else 0.0
             span.add_event("first_token")
             span.set_attribute("http.response.status_code", 200)  # (a stream's status is sent with its first token)
         except errors.ApiError as exc:
@@ -209,10 +210,10 @@ class EdgeApi:
                 usage.migration_prefill_tokens, usage.deployment or self.mesh.local.name, bill.batch_id))
         if span is not None:
             span.set_attributes({"infermesh.usage_seq": seq, "infermesh.billed": bool(seq)})
-        if usage is not None and usage.status == "finished":
-            self.genai.observe((bill.model, bill.caller.team), time.time() - bill.arrived,
-                               usage.ttft_ms / 1000 if usage.completion_tokens else None, usage.completion_tokens,
-                               bill.trace_id)
+        if usage is not None and usage.status == "finished":  # GenAI server metrics: from the request's arrival
+            self.genai.observe((bill.model, bill.caller.team), (bill.ended_at or time.time()) - bill.arrived,
+                               bill.first_token_at - bill.arrived if bill.first_token_at else None,
+                               usage.completion_tokens, bill.trace_id)
         if bill.lease is not None and bill.lease[0].admission is not None:
             link, lease_id = bill.lease
             spent = None
@@ -347,9 +348,12 @@ class _Bill:
     batch_id: str = ""  # a batch line's job: billed at the batch price
     preempted: bool = False  # admission revoked its lease before it ended: not billed (a batch line runs again)
     span: trace.Span = trace.INVALID_SPAN  # the request's SERVER span (its billing is a child)
+    first_token_at: float = 0.0  # when its first token reached the edge (0: none did)
+    ended_at: float = 0.0  # when its run settled
 
     def settle(self, usage: Usage | None) -> None:
         if not self.settled.done():
+            self.ended_at = time.time()
             self.settled.set_result(usage)
 
 
