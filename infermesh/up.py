@@ -229,7 +229,7 @@ def start_processes(group: ProcessGroup, options: MeshOptions, model_path: str, 
         edge_args.append("--reuse-port")
     for i in range(options.edge_replicas):
         service("edge" if options.edge_replicas == 1 else f"edge-{i}", "services.edge", edge_args,
-                             {**env, "INFERMESH_DEV_KEY": options.dev_key, "INFERMESH_EDGE_SECRET": edge_secret})
+                {**env, "INFERMESH_DEV_KEY": options.dev_key, "INFERMESH_EDGE_SECRET": edge_secret})
     return nats_url
 
 

@@ -76,7 +76,12 @@ async def _serve_metrics(name: str, config: BusConfig, service: Service) -> Metr
     health = getattr(service, "healthy", None)
     server = MetricsServer(registry, config.metrics_host, config.metrics_port,
                            health if callable(health) else (lambda: True))
-    port = await server.start()
+    try:
+        port = await server.start()
+    except OSError as exc:  # (the port is taken): metrics must never keep a service from serving
+        logging.getLogger(name).warning("no metrics: cannot listen on %s:%d (%s)", config.metrics_host,
+                                        config.metrics_port, exc)
+        return None
     logging.getLogger(name).info("metrics on http://%s:%d/metrics", config.metrics_host, port)
     return server
 

@@ -74,3 +74,23 @@ async def test_the_server_answers_metrics_health_and_refuses_the_rest():
         assert (await _get(port, b"GET /health HTTP/1.1\r\n\r\n")).startswith(b"HTTP/1.1 503")  # serves on
     finally:
         await server.stop()
+
+
+async def test_a_taken_metrics_port_costs_the_metrics_not_the_service(caplog):
+    from shared.config import BusConfig
+    from shared.runner import _serve_metrics
+
+    class Service:
+        metrics = service_registry("infermesh_x", dict)
+
+    taken = MetricsServer(service_registry("infermesh_y", dict))
+    port = await taken.start()
+    try:
+        assert await _serve_metrics("x", BusConfig(metrics_port=port), Service()) is None
+        assert "no metrics: cannot listen" in caplog.text
+        served = await _serve_metrics("x", BusConfig(metrics_port=0), Service())
+        assert served is not None and served.port not in (0, port)
+        await served.stop()
+        assert await _serve_metrics("x", BusConfig(), Service()) is None  # -1 (the default): none asked for
+    finally:
+        await taken.stop()
