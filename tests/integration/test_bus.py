@@ -8,17 +8,10 @@ import pytest
 from opentelemetry import trace
 
 from shared import schema
-from shared.bus import Bus, BusError, StreamReceiver, TokenStreamSender
+from shared.bus import BusError, StreamReceiver, TokenStreamSender
 from shared.schema import LoadRequest, LoadSnapshot, StreamEnd, StreamError, TokenChunk
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-async def bus(nats_url, namespace):
-    bus = await Bus.connect(nats_url, namespace, "test")
-    yield bus
-    await bus.close()
 
 
 async def test_request_reply_is_typed_and_carries_trace_context(bus, span_exporter):

@@ -35,13 +35,6 @@ CONTEXT = BillingContext(request_id="req1", attempt=0, team="alpha", key_prefix=
 
 
 @pytest.fixture
-async def bus(nats_url, namespace):
-    bus = await Bus.connect(nats_url, namespace, "edge")
-    yield bus
-    await bus.close()
-
-
-@pytest.fixture
 async def worker(nats_url, namespace):
     bus = await Bus.connect(nats_url, namespace, "worker")
     config = WorkerConfig(nats_url=nats_url, namespace=namespace, worker_id="w-orph", engine="sim",
