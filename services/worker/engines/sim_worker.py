@@ -131,7 +131,8 @@ class SimWorker:
         self.busy = False  # a step is in flight
         self.num_steps = 0
         self.busy_s = 0.0
-        self.prompt_tokens = [0, 0, 0]  # computed here, prefix-cache hits, pulled from a prefill worker (as vLLM's)
+        # where prompt tokens came from, as vLLM counts them: computed here, prefix-cache hits, pulled from a peer
+        self.prompt_computed = self.prompt_cached = self.prompt_transferred = 0
 
     # ------------------------------------------------------------ requests
     def add(self, request: SimRequest, seed: int | None = None, decoder: ConstrainedDecoder | None = None,
@@ -173,7 +174,7 @@ class SimWorker:
         pending = sum(max(len(r.prompt_token_ids) - r.num_computed_tokens, 0) for r in (*s.running, *s.waiting)
                       if not r.output_token_ids)
         return EngineLoad(len(s.running), len(s.waiting), self.pool.num_used_blocks, self.pool.num_blocks, pending,
-                          PromptTokens(*self.prompt_tokens))
+                          PromptTokens(self.prompt_computed, self.prompt_cached, self.prompt_transferred))
 
     # ------------------------------------------------------------ steps
     def begin_step(self, now: float) -> Step | None:
@@ -185,8 +186,8 @@ class SimWorker:
         for request, num_tokens in batch.transfers:
             if request.scheduled_t is None:
                 request.scheduled_t = now
-                self.prompt_tokens[1] += request.num_cached_tokens
-            self.prompt_tokens[2] += num_tokens
+                self.prompt_cached += request.num_cached_tokens
+            self.prompt_transferred += num_tokens
             seconds = self.cost.transfer_time(num_tokens, cfg.block_size, cfg.kv_layout)
             request.kv_pull_t, request.kv_pull_s, request.kv_pull_tokens = now, seconds, num_tokens
             transfers.append((request, seconds, request.num_preemptions))
@@ -195,10 +196,10 @@ class SimWorker:
         prefills = []
         onload_s = 0.0
         for request, chunk in batch.prefills:
-            self.prompt_tokens[0] += chunk
+            self.prompt_computed += chunk
             if request.scheduled_t is None:
                 request.scheduled_t = now
-                self.prompt_tokens[1] += request.num_cached_tokens
+                self.prompt_cached += request.num_cached_tokens
                 onload_s += self.cost.onload_time(self.pool.host_hit_tokens(request.request_id))
             prefills.append((chunk, request.num_computed_tokens))
         decodes = [r.num_computed_tokens for r in batch.decodes]
