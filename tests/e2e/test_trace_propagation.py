@@ -7,6 +7,8 @@ request's trace (replies to inboxes, KV writes and JetStream publishes included)
 
 from __future__ import annotations
 
+import asyncio
+
 import nats
 import openai
 import pytest
@@ -129,5 +131,47 @@ async def test_a_retried_request_is_one_trace_with_an_attempt_span_per_try(nats_
         assert generates["good"].parent.span_id == second.context.span_id
         assert first.end_time <= second.start_time  # one try after the other
         assert [s.name for s in spans].count("router.route") == 2  # one per attempt, in the one trace
+    finally:
+        await mesh.stop()
+
+
+async def test_admission_spans_say_granted_queued_with_position_or_rejected(nats_url, namespace, tiny_model,
+                                                                           span_exporter):
+    """One request at a time, two may wait: the first is granted, the next two queue (0 and 1 ahead of them), the
+    fourth is refused; the admission leader's spans say so with the reason (queue_full), the edge's with the
+    error code its client got (rate_limit_exceeded)."""
+    mesh = LocalMesh(nats_url, namespace, dev_key=KEY)
+    try:
+        admission = await mesh.start_admission(concurrency_per_worker=1, max_queue=2)
+        await mesh.start_router()
+        await mesh.start_worker(worker_id="slow", engine="sim", model="tiny", model_path=str(tiny_model),
+                                sim_ttft_ms=5, sim_itl_ms=40)
+        edge = await mesh.start_edge(admission=True)
+        await ensure_usage_stream(edge.mesh.bus)
+        await eventually(mesh.edge.mesh.is_ready, 20)
+        await eventually(lambda: admission.leadership.is_leader, 10)
+        client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key=KEY, max_retries=0)
+        span_exporter.clear()
+        calls = []
+        for i, (stat, count) in enumerate((("granted", 1), ("queued", 1), ("queued", 2))):
+            calls.append(asyncio.create_task(client.completions.create(model="tiny", prompt=[5, 6, i], max_tokens=5)))
+            await eventually(lambda stat=stat, count=count: admission.stats[stat] >= count, 5)
+        with pytest.raises(openai.RateLimitError):
+            await client.completions.create(model="tiny", prompt=[5, 6, 9], max_tokens=5)
+        assert all(done.choices[0].finish_reason in ("stop", "length") for done in await asyncio.gather(*calls))
+
+        def named(name: str) -> list:
+            return sorted((s for s in span_exporter.get_finished_spans() if s.name == name), key=lambda s: s.start_time)
+
+        await eventually(lambda: len(named("admission.acquire")) == 4, 5)
+        decided = [(s.attributes["infermesh.admission.outcome"], s.attributes["infermesh.admission.queue_position"])
+                   for s in named("admission.decide")]
+        assert decided == [("granted", 0), ("queued", 0), ("queued", 1), ("queue_full", 0)]
+        acquired = named("admission.acquire")
+        outcomes = [s.attributes["infermesh.admission.outcome"] for s in acquired]
+        assert outcomes == ["granted"] * 3 + ["rate_limit_exceeded"]
+        assert not acquired[3].status.is_ok and acquired[2].attributes["infermesh.admission.wait_s"] > 0.1
+        for decide, acquire in zip(named("admission.decide"), acquired, strict=True):
+            assert decide.parent.span_id == acquire.context.span_id  # the leader's span below the edge's
     finally:
         await mesh.stop()
