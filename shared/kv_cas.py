@@ -52,6 +52,16 @@ async def get_last_with_headers(bus: Bus, bucket: str, key: str) -> tuple[bytes 
     return msg.data, msg.seq or 0, headers
 
 
+async def traced_put(bus: Bus, bucket: str, key: str, data: bytes) -> int:
+    """An unconditional write, as nats-py's ``kv.put``, carrying the current trace (``kv.put`` sends no headers)."""
+    return (await bus.js.publish(f"$KV.{bucket}.{key}", data, headers=traced())).seq
+
+
+async def traced_delete(bus: Bus, bucket: str, key: str) -> int:
+    """A delete marker, as nats-py's ``kv.delete`` writes it (``KV-Operation: DEL``), carrying the current trace."""
+    return (await bus.js.publish(f"$KV.{bucket}.{key}", b"", headers=traced({"KV-Operation": "DEL"}))).seq
+
+
 async def cas_put(bus: Bus, bucket: str, key: str, data: bytes, revision: int, ttl_s: float | None = None,
                   extra_headers: dict[str, str] | None = None) -> int:
     headers = traced({**(extra_headers or {}), "Nats-Expected-Last-Subject-Sequence": str(revision)}) or {}

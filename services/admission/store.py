@@ -23,6 +23,7 @@ from nats.js.kv import KeyValue
 from services.admission.budgets import HoldChanges
 from shared import schema
 from shared.bus import Bus
+from shared.kv_cas import traced_delete, traced_put
 from shared.kv_keys import live_keys
 from shared.schema import BudgetHold, LeaseRecord
 
@@ -33,16 +34,17 @@ LEASE, HOLD = "l-", "h-"
 class LeaseStore:
     def __init__(self, bus: Bus, kv: KeyValue) -> None:
         self.bus, self.kv = bus, kv
+        self._bucket = bus.subjects.leases_bucket  # written with the request's trace (shared/kv_cas.py)
 
     async def put_lease(self, record: LeaseRecord) -> None:
-        await self.kv.put(LEASE + record.lease_id, schema.encode(record))
+        await traced_put(self.bus, self._bucket, LEASE + record.lease_id, schema.encode(record))
 
     async def forget_lease(self, lease_id: str) -> None:
         await self._delete(LEASE + lease_id)
 
     async def apply(self, changes: HoldChanges) -> None:
         for hold in changes.put:
-            await self.kv.put(HOLD + hold.hold_id, schema.encode(hold))
+            await traced_put(self.bus, self._bucket, HOLD + hold.hold_id, schema.encode(hold))
         for hold_id in changes.gone:
             await self._delete(HOLD + hold_id)
 
@@ -81,6 +83,6 @@ class LeaseStore:
 
     async def _delete(self, key: str) -> None:
         try:
-            await self.kv.delete(key)
+            await traced_delete(self.bus, self._bucket, key)
         except Exception as exc:
             log.warning("could not delete %s: %s", key, exc)

@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from infermesh.local import LocalMesh
+from shared.subjects import Subjects
 from shared.usage import ensure_usage_stream
 from tests.utils import eventually
 
@@ -81,6 +82,11 @@ async def test_every_message_a_request_causes_carries_its_trace(nats_url, namesp
         answers = [m for m in heard.messages if m[0] in inboxes  # replies to the request's requests, but for
                    and not m[1].startswith(b'{"stream":')]  # JetStream's PubAcks (the server writes those)
         assert len(answers) >= 2 and not untraced(answers, trace_id), untraced(answers, trace_id)
+        bucket = Subjects(namespace).leases_bucket  # its lease's record, budget hold and their ends (not the
+        leases = [m for m in heard.messages  # leader key): plain KV writes and deletes carry the trace too
+                  if m[0].startswith((f"$KV.{bucket}.l-", f"$KV.{bucket}.h-"))]
+        assert len(leases) >= 2, leases
+        assert all(trace_id in headers.get("traceparent", "") for _, _, headers, _ in leases), leases
     finally:
         await nc.close()
         await mesh.stop()
