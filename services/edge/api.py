@@ -36,6 +36,7 @@ from services.edge.tools import ContentDelta, ToolCallParser, ToolLimits, make_p
 from shared import errors
 from shared.metrics import GenAiServerMetrics
 from shared.schema import BillingContext, LeaseRelease, UsageEvent
+from shared.telemetry import sampled_trace_id
 
 log = logging.getLogger("infermesh.edge")
 _json = msgspec.json.Encoder()
@@ -169,7 +170,11 @@ class EdgeApi:
         if stream:  # where the first token came from (a migration may move the rest elsewhere)
             return SseReply(self._sse_body(first, events, shape, include_usage, span),
                             {"x-infermesh-deployment": run.deployment or self.mesh.local.name, **headers})
-        reply = await self._complete(first, events, shape, span)
+        try:
+            reply = await self._complete(first, events, shape, span)
+        except errors.ApiError as exc:  # failed mid-generation: the error names the request and its trace too
+            exc.headers = {**headers, **exc.headers}
+            raise
         timing.route_s = run.route_s
         reply.headers = {**(reply.headers or {}), **headers, "server-timing": timing.header()}
         return reply
@@ -213,7 +218,7 @@ class EdgeApi:
         if usage is not None and usage.status == "finished":  # GenAI server metrics: from the request's arrival
             self.genai.observe((bill.model, bill.caller.team), (bill.ended_at or time.time()) - bill.arrived,
                                bill.first_token_at - bill.arrived if bill.first_token_at else None,
-                               usage.completion_tokens, bill.trace_id)
+                               usage.completion_tokens, sampled_trace_id(bill.span))
         if bill.lease is not None and bill.lease[0].admission is not None:
             link, lease_id = bill.lease
             spent = None
@@ -263,7 +268,9 @@ class EdgeApi:
                 item = await events.__anext__()
             _record(span, shape.id, item)
         except StreamBroken as exc:
-            raise errors.engine_failed(f"The engine failed mid-generation: {exc}") from exc
+            failed = errors.engine_failed(f"The engine failed mid-generation: {exc}")
+            _failed(span, failed)
+            raise failed from exc
         finally:
             await events.aclose()
             span.end()
@@ -288,8 +295,11 @@ class EdgeApi:
             if include_usage:
                 tail += _sse(shape.usage_chunk(item))
         except StreamBroken as exc:
-            tail = _sse(errors.engine_failed(f"The engine failed mid-generation: {exc}").body())
+            failed = errors.engine_failed(f"The engine failed mid-generation: {exc}")
+            _failed(span, failed, sent=200)
+            tail = _sse(failed.body())
         except errors.ApiError as exc:  # preempted mid-stream (a batch-class stream whose lease was revoked)
+            _failed(span, exc, sent=200)
             tail = _sse(exc.body())
         finally:
             await events.aclose()
@@ -371,10 +381,15 @@ def _record(span: trace.Span, response_id: str, done: Usage) -> None:
                          done.cached_tokens, done.completion_tokens, done.migrations)
 
 
+def _failed(span: trace.Span, exc: errors.ApiError, sent: int | None = None) -> None:
+    """Mark the request's span failed with ``exc`` (``sent``: the status a stream already sent, kept)."""
+    span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
+    span.set_attributes({"http.response.status_code": sent or exc.status, "error.type": exc.code or exc.type})
+
+
 def _fail(span: trace.Span, exc: errors.ApiError, request_id: str) -> None:
     """End the request's span with the error, and let the error response name the request and its trace."""
-    span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
-    span.set_attributes({"http.response.status_code": exc.status, "error.type": exc.code or exc.type})
+    _failed(span, exc)
     span.end()
     exc.headers = {**_trace_headers(request_id, span), **exc.headers}
 

@@ -181,3 +181,47 @@ async def test_admission_spans_say_granted_queued_with_position_or_rejected(nats
             assert decide.parent.span_id == acquire.context.span_id  # the leader's span below the edge's
     finally:
         await mesh.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_request_whose_worker_dies_mid_generation_is_an_error_span_and_names_its_trace(
+        nats_url, namespace, tiny_model, span_exporter, stream):
+    """The worker serving it stops after its first tokens (no migration): the edge's request span is an error
+    (engine_error; a stream keeps the 200 it sent), and a whole response's 502 names the request and its trace."""
+    mesh = LocalMesh(nats_url, namespace, dev_key=KEY)
+    try:
+        await mesh.start_router()
+        worker = await mesh.start_worker(worker_id="doomed", engine="sim", model="tiny", model_path=str(tiny_model),
+                                         sim_ttft_ms=5, sim_itl_ms=20)
+        edge = await mesh.start_edge()
+        await ensure_usage_stream(edge.mesh.bus)
+        await eventually(mesh.edge.mesh.is_ready, 20)
+        client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key=KEY, max_retries=0)
+        span_exporter.clear()
+        ask = dict(model="tiny", prompt=[3, 4, 5], max_tokens=200, extra_body={"ignore_eos": True},
+                   extra_headers={"X-Infermesh-Max-Migrations": "0"})
+        if stream:
+            with pytest.raises(openai.APIError):
+                async for chunk in await client.completions.create(stream=True, **ask):
+                    if chunk.choices and chunk.choices[0].text and worker in mesh.workers:
+                        mesh.workers.remove(worker)
+                        await worker.stop()
+        else:
+            call = asyncio.create_task(client.completions.create(**ask))
+            # its KV grew past the prompt's block: tokens were generated, so it dies mid-generation
+            await eventually(lambda: worker.load_snapshot().num_active_blocks >= 2, 10)
+            mesh.workers.remove(worker)
+            await worker.stop()
+            with pytest.raises(openai.APIStatusError) as failed:
+                await call
+            response = failed.value.response
+            assert response.status_code == 502 and response.headers["x-request-id"]
+            trace_id = response.headers["traceparent"].split("-")[1]
+        await eventually(lambda: any(s.name == "text_completion tiny" for s in span_exporter.get_finished_spans()), 5)
+        edge_span = next(s for s in span_exporter.get_finished_spans() if s.name == "text_completion tiny")
+        assert not edge_span.status.is_ok and edge_span.attributes["error.type"] == "engine_error"
+        assert edge_span.attributes["http.response.status_code"] == (200 if stream else 502)
+        if not stream:
+            assert f"{edge_span.context.trace_id:032x}" == trace_id
+    finally:
+        await mesh.stop()
