@@ -53,16 +53,29 @@ def setup_tracing(service_name: str) -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+    from shared.trace_sampling import KeepErrorsAndSlow, configured_sampler, slow_s_from_env
+
     # the sampler is OpenTelemetry's own setting: OTEL_TRACES_SAMPLER (e.g. parentbased_traceidratio) and
-    # OTEL_TRACES_SAMPLER_ARG (the ratio); by default every trace is kept
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}), id_generator=PresetIds())
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    # OTEL_TRACES_SAMPLER_ARG (the ratio); by default every trace is kept. What a ratio leaves out is still
+    # kept when it errs or is slow (shared/trace_sampling.py)
+    sampler, leaves_out = configured_sampler()
+    provider = TracerProvider(sampler=sampler, resource=Resource.create({"service.name": service_name}),
+                              id_generator=PresetIds())
+    exporting = BatchSpanProcessor(OTLPSpanExporter())
+    provider.add_span_processor(KeepErrorsAndSlow(exporting, slow_s_from_env()) if leaves_out else exporting)
     trace.set_tracer_provider(provider)
     _configured = True
 
 
 def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(name)
+
+
+def sampled_trace_id(span: trace.Span | None) -> str:
+    """The span's trace id (hex) when its trace is sampled, else "": what a metric's exemplar carries (a trace
+    left out by the sampler is exported only if it errs or is slow, so an exemplar would mostly point nowhere)."""
+    ctx = span.get_span_context() if span is not None else None
+    return f"{ctx.trace_id:032x}" if ctx is not None and ctx.is_valid and ctx.trace_flags.sampled else ""
 
 
 def tracing_enabled() -> bool:

@@ -59,11 +59,12 @@ def decode(body: bytes) -> list[ReceivedSpan]:
 
 
 class OtlpReceiver:
-    """``with OtlpReceiver() as otlp: ... otlp.endpoint``: spans land in ``otlp.spans``."""
+    """``with OtlpReceiver() as otlp: ... otlp.endpoint``: spans land in ``otlp.spans``. With ``keep_spans=False``
+    (a benchmark's sink) it only counts the exports and their bytes."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_spans: bool = True) -> None:
         self.spans: list[ReceivedSpan] = []
-        self.requests = 0
+        self.requests = self.bytes_received = 0
         lock, spans, receiver = threading.Lock(), self.spans, self
 
         class Handler(BaseHTTPRequestHandler):
@@ -75,10 +76,11 @@ class OtlpReceiver:
                     self.send_response(404)
                     self.end_headers()
                     return
-                received = decode(body)
+                received = decode(body) if receiver.keep_spans else []
                 with lock:
                     spans.extend(received)
                     receiver.requests += 1
+                    receiver.bytes_received += len(body)
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.send_header("Content-Length", "0")
@@ -87,6 +89,7 @@ class OtlpReceiver:
             def log_message(self, *args: Any) -> None:
                 pass
 
+        self.keep_spans = keep_spans
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 

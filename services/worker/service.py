@@ -48,7 +48,7 @@ from shared.schema import (
     WorkerInfo,
 )
 from shared.tasks import cancel_and_wait
-from shared.telemetry import traced
+from shared.telemetry import sampled_trace_id, traced
 
 log = logging.getLogger("infermesh.worker")
 SNAPSHOT_KEEP_S = 30.0  # how long a paged snapshot stays readable
@@ -255,7 +255,7 @@ class WorkerService:
                     tracing.record_engine(span, out.timings)
                     self._genai.observe((request.model,), time.monotonic() - received_at,
                                         ttft_ms / 1000 if num_output > resumed else None, num_output - resumed,
-                                        tracing.trace_id(span))
+                                        sampled_trace_id(span))
                     if out.finish_reason == "abort":
                         self._num_aborted += 1
                     else:

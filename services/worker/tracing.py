@@ -40,12 +40,6 @@ def request_span(request: GenerateRequest, worker_id: str) -> Any:
         "infermesh.num_resumed_tokens": len(request.output_token_ids)})
 
 
-def trace_id(span: trace.Span) -> str:
-    """The span's trace id (hex), or "" when it is not traced: what a metric's exemplar carries."""
-    ctx = span.get_span_context()
-    return f"{ctx.trace_id:032x}" if ctx.is_valid else ""
-
-
 def record_engine(span: trace.Span, timings: EngineTimings | None) -> None:
     """The engine's own account of a finished request: attributes, and its phases as child spans."""
     if timings is None or not span.is_recording():
