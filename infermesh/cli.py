@@ -1,7 +1,7 @@
 """The ``infermesh`` command.
 
     infermesh up [--engine vllm|sim] [--workers N] [--model NAME] [--model-path DIR]
-                 [--http-port P] [--nats-url URL] [--namespace NS]
+                 [--http-port P] [--nats-url URL] [--namespace NS] [--trace-ui [--trace-ui-port P]]
                  [--nats-tls-cert F --nats-tls-key F [--nats-tls-ca F]]   (NATS over TLS)
     infermesh up --pd P:D [--prefill-token-budget N] [--decode-token-budget N]   (disaggregated, NIXL)
     infermesh up --sim-decoders N [--sim-prefill M] [--sim-profile NAME] [--sim-clock-factor X]
@@ -81,6 +81,10 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--billing-port", type=int, default=8001, help="billing API and team dashboards")
     up.add_argument("--metrics-port-base", type=int, default=9464,
                     help="each service's Prometheus /metrics on this port and the next ones (0: any free, -1: none)")
+    up.add_argument("--trace-ui", action="store_true",
+                    help="start Phoenix, a trace UI, and send every service's spans to it (installed once into its "
+                    "own virtualenv, ~850 MB; see infermesh/trace_ui.py)")
+    up.add_argument("--trace-ui-port", type=int, default=6006, help="Phoenix's UI and OTLP/HTTP port")
     up.add_argument("--state-dir", default="", help="logs and NATS store (default: a new temp folder)")
     up.add_argument("--ready-timeout", type=float, default=600.0)
 
@@ -120,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             sim_clock_factor=args.sim_clock_factor, sim_stream_interval=args.sim_stream_interval,
             sim_engines_per_process=args.sim_engines_per_process, database_url=args.database_url,
             billing_port=args.billing_port, metrics_port_base=args.metrics_port_base, pd=args.pd,
+            trace_ui=args.trace_ui, trace_ui_port=args.trace_ui_port,
             prefill_token_budget=args.prefill_token_budget,
             decode_token_budget=args.decode_token_budget, router_replicas=args.router_replicas,
             admission_replicas=args.admission_replicas, edge_replicas=args.edge_replicas,

@@ -19,6 +19,7 @@ from typing import Callable
 from infermesh.bus_auth import data_dir, start_locked_nats, tls_files
 from infermesh.processes import ProcessGroup
 from infermesh.supervisor import SupervisedGroup, Supervisor
+from infermesh.trace_ui import TraceUi, ensure_phoenix, start_phoenix
 from shared.ports import free_port
 
 PD_HEARTBEAT_TTL_S = 15.0  # vLLM P/D workers on CPU (see start_processes)
@@ -51,6 +52,8 @@ class MeshOptions:
     database_url: str = ""  # the ledger: Postgres URL, or "" for the embedded SQLite file
     billing_port: int = 8001
     metrics_port_base: int = 9464  # each service's /metrics: this port, the next, ... (0: any free ones, -1: none)
+    trace_ui: bool = False  # Phoenix beside the mesh, every service exporting to it (infermesh/trace_ui.py)
+    trace_ui_port: int = 6006
     ready_timeout_s: float = 600.0
     # A simulated fleet (sim engine only): serving and prefill engines, packed several per process.
     sim_decoders: int = 0  # > 0: replaces num_workers; role decode (both when sim_prefill is 0)
@@ -186,16 +189,20 @@ def _ready(url: str) -> dict[str, object] | None:
         return None
 
 
-def start_processes(group: ProcessGroup, options: MeshOptions, model_path: str, state: Path) -> str:
+def start_processes(group: ProcessGroup, options: MeshOptions, model_path: str, state: Path,
+                    trace_ui: TraceUi | None = None, service_env: dict[str, str] | None = None) -> str:
     """Start NATS (unless options.nats_url), router, breaker, admission, metering, batch, workers and edge in
-    ``group``;
-    returns the NATS URL."""
+    ``group``, exporting their spans to ``trace_ui`` when given, ``service_env`` in every service's environment
+    (e.g. a benchmark's OpenTelemetry settings); returns the NATS URL."""
     nats_url = options.nats_url
     if not nats_url:  # locked: one NATS user per service role (infermesh/bus_auth.py)
         nats_url = start_locked_nats(group, state, options.namespace,
                                      tls_files(options.nats_tls_cert, options.nats_tls_key, options.nats_tls_ca))
         _say(f"NATS with JetStream on {nats_url} (locked: a user per service role, secrets in {data_dir()})")
-    env = {"INFERMESH_NATS_URL": nats_url, "INFERMESH_NAMESPACE": options.namespace}
+    env = {**(service_env or {}), "INFERMESH_NATS_URL": nats_url, "INFERMESH_NAMESPACE": options.namespace}
+    if trace_ui is not None:
+        env |= {"OTEL_EXPORTER_OTLP_ENDPOINT": trace_ui.otlp_endpoint,
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"{trace_ui.otlp_endpoint}/v1/traces"}
     service = _metered(group, options)
     for i in range(options.router_replicas):
         service(f"router-{i}", "services.router", ["--router-id", f"router-{i}"], env)
@@ -205,6 +212,8 @@ def start_processes(group: ProcessGroup, options: MeshOptions, model_path: str, 
     metering_args = ["--billing-host", options.host, "--billing-port", str(options.billing_port)]
     if options.database_url:
         metering_args += ["--database-url", options.database_url]
+    if trace_ui is not None:
+        metering_args += ["--trace-url", trace_ui.trace_url]  # the dashboard links each usage row to its trace
     service("metering", "services.metering", metering_args, env)
     batch_args = ["--database-url", options.database_url] if options.database_url else []
     service("batch", "services.batch", batch_args, env)  # jobs: /v1/batches and the bus
@@ -311,6 +320,21 @@ def _metrics_lines(group: ProcessGroup, options: MeshOptions, targets: Path | No
             f"             Prometheus file_sd targets: {targets}\n")
 
 
+def _start_trace_ui(group: ProcessGroup, options: MeshOptions, state: Path) -> TraceUi:
+    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        _say("--trace-ui: the services export to Phoenix, not to $OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT")
+    ui = start_phoenix(group, ensure_phoenix(_say), options.host, options.trace_ui_port, state)
+    _say(f"Phoenix (trace UI) on {ui.url}")
+    return ui
+
+
+def _trace_lines(trace_ui: TraceUi | None) -> str:
+    if trace_ui is None:
+        return ""
+    return (f"  traces   : {trace_ui.url}  (Phoenix; one request's trace: "
+            f"{trace_ui.trace_url.replace('{trace_id}', '<trace id>')}, the id is in its traceparent header)\n")
+
+
 def run_mesh(options: MeshOptions) -> int:
     options.check()
     stop = threading.Event()
@@ -320,7 +344,8 @@ def run_mesh(options: MeshOptions) -> int:
     group = SupervisedGroup(state / "logs")
     try:
         model_path = _resolve_model_path(options)
-        nats_url = start_processes(group, options, model_path, state)
+        trace_ui = _start_trace_ui(group, options, state) if options.trace_ui else None
+        nats_url = start_processes(group, options, model_path, state, trace_ui)
         if not wait_ready(group, options, stop):
             if not stop.is_set():
                 _say(f"the mesh did not become ready; logs in {group.log_dir}")
@@ -331,7 +356,7 @@ def run_mesh(options: MeshOptions) -> int:
         _say("ready")
         print(f"\n  base URL : {base_url}\n  API key  : {options.dev_key}\n  model    : {options.model}"
               f"\n  engine   : {_describe_workers(options)}\n  logs     : {group.log_dir}\n"
-              f"{_metrics_lines(group, options, targets)}"
+              f"{_metrics_lines(group, options, targets)}{_trace_lines(trace_ui)}"
               f"  billing  : http://{options.host}:{options.billing_port}/dashboard/<team>#key=<team admin key>"
               f"  (ledger: {options.database_url or 'embedded SQLite'};"
               f" infermesh teams create T && infermesh keys create --team T --admin"
