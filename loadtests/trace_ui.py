@@ -123,7 +123,7 @@ def main() -> None:
         trace_id = raw.headers["traceparent"].split("-")[1]
         ui_url = f"http://127.0.0.1:{ui_port}"
         spans = wait_for_spans(ui_url, trace_id, {"text_completion tiny", *TREE})
-        driver = browser()
+        driver = browser(height=1400)  # tall enough for the whole tree
         try:
             open_trace(driver, ui_url, trace_id, {"router.route", "kv.transfer", "decode"})
             time.sleep(1.0)  # let the tree's layout settle before the picture
