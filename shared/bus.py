@@ -152,6 +152,22 @@ class Bus:
             log.warning("not answering %s on %r: a reply goes to an inbox only", raw.subject, raw.reply)
 
 
+async def stop_serving(subscriptions: list[Any], timeout_s: float = 5.0) -> None:
+    """Stop receiving on ``subscriptions`` and let their handlers answer what was already received.
+
+    ``unsubscribe`` would cancel the handler running and drop the messages queued behind it: their requesters
+    hear nothing and wait out their whole timeout (an admission leader stepping down under load left an acquire
+    unanswered for 12 s so). A drain that cannot end within ``timeout_s`` (NATS away) is given up on."""
+
+    async def drain(sub: Any) -> None:
+        try:
+            await asyncio.wait_for(sub.drain(), timeout_s)
+        except Exception as exc:  # closed, draining, already gone, or NATS away
+            log.warning("could not drain subscription %s: %r", getattr(sub, "subject", "?"), exc)
+
+    await asyncio.gather(*(drain(sub) for sub in subscriptions))
+
+
 def is_reply_inbox(subject: str) -> bool:
     """Whether ``subject`` is a requester's inbox. NATS lets a responder publish to the reply subject of a
     message it received even where its own permissions deny that subject, so a reply anywhere else is a

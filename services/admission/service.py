@@ -40,7 +40,7 @@ from services.admission.leader import Leadership
 from services.admission.ledger import Grant, Lease, Ledger, PoolLimits, Reject, Wait, Waiter
 from services.admission.store import LeaseStore
 from shared import schema
-from shared.bus import Bus
+from shared.bus import Bus, stop_serving
 from shared.kv_cas import ensure_bucket
 from shared.kv_follower import KvFollower
 from shared.metrics import service_registry
@@ -58,6 +58,7 @@ from shared.schema import (
     PriceSheet,
     TeamSpend,
 )
+from shared.tasks import cancel_and_wait
 from shared.telemetry import tracer
 
 log = logging.getLogger("infermesh.admission")
@@ -143,14 +144,9 @@ class AdmissionService:
         self._tick = asyncio.create_task(self._tick_loop(), name="admission-tick")
 
     async def _deposed(self) -> None:
-        for sub in self._subs:
-            try:
-                await sub.unsubscribe()  # type: ignore[attr-defined]
-            except Exception:
-                pass
-        self._subs = []
-        if self._tick is not None:
-            self._tick.cancel()
+        await cancel_and_wait(self._tick)  # first: no grant from the queue once deposed
+        subs, self._subs = self._subs, []
+        await stop_serving(subs)  # what was received is answered (acquires: admission_moved), not dropped
         for raw in list(self._waiting.values()):  # queued requests: ask again (the new leader)
             await self.bus.respond(raw, LeaseRejected("admission_moved", "admission changed leader", 0.5))
         self._waiting.clear()
@@ -254,8 +250,11 @@ class AdmissionService:
         await self.bus.respond(raw, LeaseRenewReply(unknown, revoked))
 
     async def _on_release(self, request: LeaseRelease, _raw: Msg) -> None:
-        """The hold (if the ledger lacks the usage) is durable before the lease record goes."""
+        """The hold (if the ledger lacks the usage) is durable before the lease record goes. A replica stepping
+        down leaves releases to its successor, which restored the lease: it lapses there within the TTL."""
         assert self._store is not None
+        if not self.leadership.is_leader:
+            return
         model = self.models.get(request.lease_id)
         priced_on = model or self._lapsed_models.get(request.lease_id, "")
         await self._store.apply(self.budgets.release(request.lease_id, priced_on, request.usage_seq,
@@ -326,11 +325,12 @@ class AdmissionService:
         if ledger is not None:
             await self._tell_revoked(ledger)  # a grant may have revoked batch leases: they go first
         lease = grant.lease
-        raw = raw or self._waiting.pop(lease.lease_id, None)
         record = LeaseRecord(lease.lease_id, lease.team, lease.klass, model, lease.tokens, lease.holder,
                              self.budgets.reserved_nano(lease.lease_id))
         assert self._store is not None
         await self._store.put_lease(record)  # durable before the holder hears of it
+        # a waiter leaves the queue only now: if this is cut short (the replica steps down), it is still answered
+        raw = raw or self._waiting.pop(lease.lease_id, None)
         self.models[lease.lease_id] = model
         self.stats["granted"] += 1
         if raw is None:  # the waiter left: give the capacity back

@@ -1,0 +1,72 @@
+"""An admission leader that steps down answers what it had received, on real NATS.
+
+Seen in CI (the disaggregated vLLM e2e, a loaded 2-core machine): an acquire went unanswered for its whole 12 s
+timeout and the client got 503 ``admission is unavailable``. A leader stepping down unsubscribed, which cancels
+the handler running and drops the requests queued behind it in the subscription; none of them is ever answered.
+Here the leader's first grant is slowed (its lease record's write waits, as a KV write on a loaded server does)
+while more acquires queue behind it, and another replica takes the key: every request gets an answer at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from infermesh.local import LocalMesh
+from services.admission.leader import LEADER_KEY
+from shared import schema
+from shared.bus import Bus, BusError
+from shared.kv_cas import ensure_bucket
+from shared.schema import LeaseGranted, LeaseRejected, LeaseReply, LeaseRequest, WorkerInfo
+from tests.utils import eventually
+
+
+class SlowWrites:
+    """The leases bucket's lease writes, held until ``go`` is set; ``entered`` once the first one waits."""
+
+    def __init__(self, put_lease) -> None:
+        self.put_lease, self.entered, self.go = put_lease, asyncio.Event(), asyncio.Event()
+
+    async def __call__(self, record) -> None:
+        self.entered.set()
+        await self.go.wait()
+        await self.put_lease(record)
+
+
+async def _acquire(bus: Bus) -> LeaseReply | str:
+    request = LeaseRequest(uuid.uuid4().hex, "t", "interactive", "m", 200, "edge-1", 0.0, 100, 100)
+    try:
+        return await bus.request(bus.subjects.admission_acquire, request, LeaseReply, timeout=8)
+    except BusError as exc:
+        return str(exc)
+
+
+async def test_a_leader_stepping_down_answers_every_request_it_received(nats_url, namespace, bus):
+    workers = await ensure_bucket(bus, bus.subjects.workers_bucket)
+    await workers.put("w-1", schema.encode(WorkerInfo("w-1", "both", "m", "sim", 16, 1000, 4096, "none",
+                                                      heartbeat_ttl_s=3600.0)))
+    mesh = LocalMesh(nats_url, namespace)
+    try:
+        leader = await mesh.start_admission(admission_id="adm-a", leader_ttl_s=3.0)
+        await eventually(lambda: leader.leadership.is_leader, 10)
+        slow = SlowWrites(leader._store.put_lease)
+        leader._store.put_lease = slow
+        first = asyncio.create_task(_acquire(bus))
+        await asyncio.wait_for(slow.entered.wait(), 5)  # its handler is inside the grant
+        queued = [asyncio.create_task(_acquire(bus)) for _ in range(4)]  # waiting behind it in the subscription
+        await bus.nc.flush()
+
+        leases = await bus.js.key_value(bus.subjects.leases_bucket)
+        await leases.put(LEADER_KEY, b"adm-b")  # another replica's write: the next renewal finds the key taken
+        await eventually(lambda: not leader.leadership.is_leader, 10)
+        stepped_down_at = time.monotonic()
+        slow.go.set()
+        replies = await asyncio.gather(first, *queued)
+
+        assert time.monotonic() - stepped_down_at < 5, "requests waited out their timeout"
+        assert isinstance(replies[0], LeaseGranted), replies[0]  # its grant was durable before it was answered
+        for reply in replies[1:]:
+            assert isinstance(reply, LeaseRejected) and reply.code == "admission_moved", reply
+    finally:
+        await mesh.stop()
