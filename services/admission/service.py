@@ -117,6 +117,8 @@ class AdmissionService:
 
     async def stop(self) -> None:
         await self.leadership.stop()
+        if self._background:  # grants being written and answered
+            await asyncio.wait(self._background, timeout=5)
         await self._billing.stop()
         await self.directory.stop()
 
@@ -191,9 +193,7 @@ class AdmissionService:
         now = time.time()
         for model, ledger in self.ledgers.items():
             for grant in ledger.set_pool(self._pool(model), now):
-                task = asyncio.get_running_loop().create_task(self._answer_grant(model, grant))
-                self._background.add(task)  # keep a reference until it is done
-                task.add_done_callback(self._background.discard)
+                self._grant(model, grant)
 
     # ------------------------------------------------------------ requests
     async def _on_acquire(self, request: LeaseRequest, raw: Msg) -> None:
@@ -226,7 +226,7 @@ class AdmissionService:
         result = ledger.acquire(now, request.ticket, request.team, request.klass, request.tokens, request.holder,
                                 now + request.wait_s)
         if isinstance(result, Grant):
-            await self._answer_grant(request.model, result, raw)
+            self._grant(request.model, result, raw)
             return "granted", 0
         if isinstance(result, Wait):
             self.stats["queued"] += 1
@@ -266,7 +266,7 @@ class AdmissionService:
         self.stats["released"] += 1
         await self._store.forget_lease(request.lease_id)
         for grant in self._ledger(model).release(request.lease_id, time.time()):
-            await self._answer_grant(model, grant)
+            self._grant(model, grant)
 
     def _holds_cleared(self, changes: HoldChanges) -> None:
         if changes.gone and self.leadership.is_leader:
@@ -311,7 +311,7 @@ class AdmissionService:
                     self._lapsed_models[lease_id] = self.models.pop(lease_id, model)
                 self._lapsing.extend(lapsed)
                 for grant in grants:
-                    await self._answer_grant(model, grant)
+                    self._grant(model, grant)
                 for waiter, reject in rejected:
                     self.budgets.drop(waiter.ticket)
                     raw = self._waiting.pop(waiter.ticket, None)
@@ -320,6 +320,14 @@ class AdmissionService:
             await self._settle_budgets(now)
 
     # ------------------------------------------------------------ answers
+    def _grant(self, model: str, grant: Grant, raw: Msg | None = None) -> None:
+        """Answer a grant in the background: its lease record's write (a JetStream round trip) must not hold the
+        next decision. Decisions stay in arrival order, in memory; each grant is still durable before its
+        holder hears of it. (Awaited in turn, 16 requests arriving at once waited ~16 ms for admission.)"""
+        task = asyncio.get_running_loop().create_task(self._answer_grant(model, grant, raw))
+        self._background.add(task)  # keep a reference until it is done
+        task.add_done_callback(self._background.discard)
+
     async def _answer_grant(self, model: str, grant: Grant, raw: Msg | None = None) -> None:
         ledger = self.ledgers.get(model)  # (none if this replica stepped down meanwhile)
         if ledger is not None:
