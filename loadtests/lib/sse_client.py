@@ -9,6 +9,7 @@ overhead. Correctness of responses is the tests' job, not this client's.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from typing import AsyncIterator
 
@@ -57,20 +58,24 @@ class LeanSseClient:
 
     async def ttft(self, body: dict, timeout_s: float = 10.0) -> float:
         """Seconds from sending ``body`` to the first non-empty content delta; reads the whole stream."""
+        return (await self.timings(body, timeout_s))[0]
+
+    async def timings(self, body: dict, timeout_s: float = 10.0) -> tuple[float, list[float]]:
+        """(seconds to the first non-empty content delta, the gaps between the chunks with content after it)."""
         request = self._request(body)
-        first: float | None = None
+        arrivals: list[float] = []
         async with asyncio.timeout(timeout_s):
             reader, writer, head, start = await self._send(request)
             if not head.startswith(b"HTTP/1.1 200"):
                 writer.close()
                 raise RuntimeError(f"unexpected response: {head[:200]!r}")
             async for chunk in read_chunks(reader):
-                if first is None and FIRST_CONTENT in chunk.replace(EMPTY_CONTENT, b""):
-                    first = time.perf_counter() - start
+                if FIRST_CONTENT in chunk.replace(EMPTY_CONTENT, b""):
+                    arrivals.append(time.perf_counter())
         self._idle.append((reader, writer))
-        if first is None:
+        if not arrivals:
             raise RuntimeError("the stream carried no content")
-        return first
+        return arrivals[0] - start, [b - a for a, b in itertools.pairwise(arrivals)]
 
     def close(self) -> None:
         for _reader, writer in self._idle:
