@@ -117,7 +117,7 @@ async def run(args: argparse.Namespace, traced_to: str) -> dict:
     model_path = make_tiny_llama(root / "tiny")
     meshes = {"edge": await _start(args, root, model_path, "")}
     failures = Failures()
-    report: dict = {"command": "python -m loadtests.mesh_overhead " + " ".join(sys.argv[1:]),
+    report: dict = {"command": "python -m loadtests.mesh_overhead " + " ".join(args.argv),
                     "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
                     "path": "infermesh up (locked NATS, 2 routers, breaker, 2 admission, metering, batch, "
                             "1 sim worker, 2 edges)", "tracing": args.tracing, "max_tokens": MAX_TOKENS,
@@ -165,7 +165,7 @@ async def run(args: argparse.Namespace, traced_to: str) -> dict:
     return report
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--requests", type=int, default=200, help="requests per round and concurrency, per path")
@@ -176,7 +176,8 @@ def main() -> None:
                         help="both: a second mesh tracing every request, its edge measured beside the first")
     parser.add_argument("--database-url", default="", help="the ledger (default: SQLite in the run's folder)")
     parser.add_argument("--out", default="loadtests/out/mesh_overhead", help="path prefix for .json and .png")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv
     if args.tracing == "both":
         from tests.otlp_receiver import OtlpReceiver
 
@@ -190,6 +191,7 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     plot(report, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    return report
 
 
 if __name__ == "__main__":
