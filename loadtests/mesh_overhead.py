@@ -1,4 +1,4 @@
-"""Mesh overhead on the full request path: TTFT and inter-token latency through the edge minus the same sim
+r"""Mesh overhead on the full request path: TTFT and inter-token latency through the edge minus the same sim
 engine called directly on the bus, with the mesh started exactly as ``infermesh up`` starts it (admission leader
 and standby, breaker, two routers, metering with its ledger, batch, the worker, two edges; loadtests/lib/up_mesh.py).
 
@@ -13,8 +13,10 @@ rounds of (edge pXX - direct pXX); CPU per request of every process over the edg
 receiver (every span exported), and alternates the two edges in each round: the cost of tracing, side by side.
 A failed request fails the run (after all rounds are printed).
 
-    python -m loadtests.mesh_overhead --concurrency 1 16 64 --rounds 5 --out docs/results/mesh_overhead
-    python -m loadtests.mesh_overhead --tracing both --concurrency 16 --rounds 5 --out docs/results/tracing_cost
+    python -m loadtests.mesh_overhead --tracing both --concurrency 1 16 64 --rounds 5 --requests 128 \
+        --out docs/results/mesh_overhead
+    python -m loadtests.mesh_overhead --tracing both --trace-ratio 0.1 --concurrency 16 --rounds 5 --requests 128 \
+        --out docs/results/mesh_overhead_sampled
 """
 
 from __future__ import annotations
@@ -102,7 +104,11 @@ async def measured(mesh: UpMesh, fn, concurrency: int, per_stream: int, failures
 
 
 async def _start(args: argparse.Namespace, root: Path, model_path: Path, traced_to: str) -> UpMesh:
-    env = ({"OTEL_EXPORTER_OTLP_ENDPOINT": traced_to, "OTEL_TRACES_SAMPLER": "always_on"} if traced_to else {})
+    env = {}
+    if traced_to:  # every trace, or OpenTelemetry's ratio sampler (what it leaves out is still recorded)
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": traced_to, "OTEL_TRACES_SAMPLER": "always_on"}
+        if args.trace_ratio < 1:
+            env.update(OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG=str(args.trace_ratio))
     mesh = UpMesh(root / ("traced" if traced_to else "plain"), model_path, args.sim_ttft_ms, args.sim_itl_ms, env,
                   args.database_url)
     await asyncio.to_thread(mesh.start)  # (start_processes runs its own event loop to provision NATS)
@@ -120,7 +126,8 @@ async def run(args: argparse.Namespace, traced_to: str) -> dict:
     report: dict = {"command": "python -m loadtests.mesh_overhead " + " ".join(args.argv),
                     "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
                     "path": "infermesh up (locked NATS, 2 routers, breaker, 2 admission, metering, batch, "
-                            "1 sim worker, 2 edges)", "tracing": args.tracing, "max_tokens": MAX_TOKENS,
+                            "1 sim worker, 2 edges)", "tracing": args.tracing, "trace_ratio": args.trace_ratio,
+                    "max_tokens": MAX_TOKENS,
                     "sim_ttft_ms": args.sim_ttft_ms, "sim_itl_ms": args.sim_itl_ms, "rounds": args.rounds,
                     "results": []}
     try:
@@ -174,6 +181,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sim-itl-ms", type=float, default=5.0)
     parser.add_argument("--tracing", choices=["off", "both"], default="off",
                         help="both: a second mesh tracing every request, its edge measured beside the first")
+    parser.add_argument("--trace-ratio", type=float, default=1.0,
+                        help="the traced mesh's sampling ratio (1: every trace; below 1, parentbased_traceidratio)")
     parser.add_argument("--database-url", default="", help="the ledger (default: SQLite in the run's folder)")
     parser.add_argument("--out", default="loadtests/out/mesh_overhead", help="path prefix for .json and .png")
     args = parser.parse_args(argv)
