@@ -15,21 +15,39 @@ import jsonschema
 import pytest
 import yaml
 
+from infermesh.compose_secrets import SERVICES, env_of, init
 from infermesh.up import MeshOptions, start_processes
+from shared.nats_auth import ENV as NATS_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 OTEL_VARS = {"OTEL_EXPORTER_OTLP_ENDPOINT"}  # OpenTelemetry's own, read by its SDK (shared/telemetry.py)
+NATS_VARS = set(NATS_ENV.values())  # the bus credentials, read by shared/nats_auth.py
+
+
+ONE_SHOTS = ("secrets", "provision")  # compose_secrets init / provision: they run once, before the services
+LAUNCHER = ["python", "-m", "infermesh.compose_secrets", "run", "/run/infermesh", "--"]
 
 
 def _infermesh_services() -> dict[str, dict]:
-    return {name: spec for name, spec in COMPOSE["services"].items() if spec.get("image") == "infermesh:latest"}
+    """The services of the mesh (the image's long-running ones)."""
+    return {name: spec for name, spec in COMPOSE["services"].items()
+            if spec.get("image") == "infermesh:latest" and name not in ONE_SHOTS}
 
 
 def _module(spec: dict) -> str:
+    """The service's module: the command after the launcher that hands it its secrets."""
     command = spec["command"]
-    assert command[:2] == ["python", "-m"], command
-    return command[2]
+    assert command[:len(LAUNCHER)] == LAUNCHER, command
+    service = command[len(LAUNCHER):]
+    assert service[:2] == ["python", "-m"], command
+    return service[2]
+
+
+def _secrets_subpath(spec: dict) -> str | None:
+    mounts = [v for v in spec.get("volumes", []) if isinstance(v, dict) and v.get("source") == "secrets"]
+    assert len(mounts) <= 1 and all(m["read_only"] for m in mounts), mounts
+    return mounts[0]["volume"]["subpath"] if mounts else None
 
 
 class _Recorder:
@@ -67,10 +85,13 @@ def test_every_service_infermesh_up_starts_is_in_it(tmp_path):
 
 def test_every_command_is_a_module_the_image_holds():
     copied = set(re.findall(r"^COPY (\S+) \1$", (ROOT / "Dockerfile").read_text(), re.M))
-    for name, spec in _infermesh_services().items():
-        module = _module(spec)
+    modules = {name: _module(spec) for name, spec in _infermesh_services().items()}
+    modules |= {name: COMPOSE["services"][name]["command"][2] for name in ONE_SHOTS}
+    modules["launcher"] = LAUNCHER[2]
+    for name, module in modules.items():
         assert module.split(".")[0] in copied, f"{name}: the Dockerfile does not COPY {module.split('.')[0]}"
-        assert (ROOT / module.replace(".", "/") / "__main__.py").exists(), f"{name}: no {module}/__main__.py"
+        path = ROOT / module.replace(".", "/")
+        assert (path / "__main__.py").exists() or path.with_suffix(".py").exists(), f"{name}: no module {module}"
 
 
 def _config_class(module: str) -> type:
@@ -80,11 +101,48 @@ def _config_class(module: str) -> type:
 
 
 @pytest.mark.parametrize("name", sorted(_infermesh_services()))
-def test_every_variable_it_sets_is_one_the_service_reads(name):
+def test_every_variable_it_sets_is_one_the_service_reads(name, tmp_path):
+    """Its environment, and what its folder of the secrets volume adds (``compose_secrets init``, run here)."""
     spec = _infermesh_services()[name]
     fields = {f"INFERMESH_{f.name.upper()}" for f in dataclasses.fields(_config_class(_module(spec)))}
-    unknown = {var for var in spec["environment"] if var not in fields and var not in OTEL_VARS}
+    init(tmp_path)
+    given = env_of(tmp_path / _secrets_subpath(spec))
+    assert given["INFERMESH_NATS_USER"] == SERVICES[name].value  # its own role on the bus
+    unknown = {var for var in [*spec["environment"], *given]
+               if var not in fields and var not in OTEL_VARS and var not in NATS_VARS}
     assert not unknown, f"{name} sets {sorted(unknown)}, which {_module(spec)} does not read"
+
+
+def test_each_container_mounts_only_its_own_secrets():
+    for name, spec in COMPOSE["services"].items():
+        subpath = _secrets_subpath(spec) if name != "secrets" else None
+        expected = {"nats": "nats", "postgres": "postgres"}.get(name, name if name in SERVICES else None)
+        assert subpath == expected, f"{name} mounts the secrets' {subpath!r}"
+
+
+def test_no_secret_is_in_the_file_and_the_ledger_is_not_published():
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert "dev-key" not in text and "PASSWORD:" not in text and "postgresql://" not in text
+    assert "ports" not in COMPOSE["services"]["postgres"]
+    assert COMPOSE["services"]["postgres"]["environment"]["POSTGRES_PASSWORD_FILE"].startswith("/run/secrets/")
+    assert all(port.startswith("127.0.0.1:") for port in COMPOSE["services"]["nats"]["ports"])
+
+
+def test_every_service_starts_after_what_it_needs_and_has_a_health_check():
+    services = COMPOSE["services"]
+    for name in [*_infermesh_services(), "nats", "postgres"]:
+        assert services[name]["healthcheck"]["test"][0] == "CMD", name
+    for name, spec in _infermesh_services().items():
+        assert spec["depends_on"]["provision"] == {"condition": "service_completed_successfully"}, name
+    assert services["provision"]["depends_on"] == {"nats": {"condition": "service_healthy"}}
+    for name in ("nats", "postgres"):
+        assert services[name]["depends_on"] == {"secrets": {"condition": "service_completed_successfully"}}
+    assert services["edge"]["depends_on"]["admission"] == {"condition": "service_healthy"}
+    assert services["metering"]["depends_on"]["postgres"] == {"condition": "service_healthy"}
+    assert services["batch"]["depends_on"]["metering"] == {"condition": "service_healthy"}
+    for name, spec in _infermesh_services().items():  # each checks a port the service serves
+        port = spec["environment"].get("INFERMESH_BILLING_PORT") or spec["environment"]["INFERMESH_METRICS_PORT"]
+        assert f"127.0.0.1:{port}/" in spec["healthcheck"]["test"][-1], name
 
 
 def test_prometheus_scrapes_every_service_on_its_metrics_port():
