@@ -47,6 +47,7 @@ from nats.js.kv import MSG_ROLLUP_SUBJECT
 
 from shared.batch_schema import MAX_BATCH_FILE_BYTES, MAX_FILE_ID, FilePurpose
 from shared.bus import Bus
+from shared.replication import stream_replicas
 from shared.telemetry import traced
 
 log = logging.getLogger("infermesh.files")
@@ -169,7 +170,8 @@ async def ensure_files_bucket(bus: Bus) -> None:
         await bus.js.object_store(bucket)
     except BucketNotFoundError:
         await bus.js.create_object_store(bucket, ObjectStoreConfig(storage=StorageType.FILE,
-                                                                   description="infermesh files (/v1/files)"))
+                                                                   description="infermesh files (/v1/files)",
+                                                                   replicas=stream_replicas()))
 
 
 class FileStore:

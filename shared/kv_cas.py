@@ -17,6 +17,7 @@ from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from shared.bus import Bus
+from shared.replication import stream_replicas
 from shared.telemetry import traced
 
 WRONG_LAST_SEQUENCE = 10071  # JetStream's error code for a failed expected-last-sequence check
@@ -32,7 +33,8 @@ async def ensure_bucket(bus: Bus, bucket: str) -> KeyValue:
     try:
         return await bus.js.key_value(bucket)
     except BucketNotFoundError:
-        return await bus.js.create_key_value(KeyValueConfig(bucket=bucket, history=1, limit_marker_ttl=MARKER_TTL_S))
+        return await bus.js.create_key_value(KeyValueConfig(bucket=bucket, history=1, limit_marker_ttl=MARKER_TTL_S,
+                                                             replicas=stream_replicas()))
 
 
 async def get_last(bus: Bus, bucket: str, key: str) -> tuple[bytes | None, int]:

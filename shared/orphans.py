@@ -24,6 +24,7 @@ from nats.js.errors import BadRequestError
 
 from shared import schema
 from shared.bus import Bus
+from shared.replication import stream_replicas
 from shared.schema import OrphanUsage
 from shared.telemetry import traced
 
@@ -37,7 +38,7 @@ ACK_WAIT_S = 30.0
 async def ensure_orphans_stream(bus: Bus) -> None:
     config = StreamConfig(name=bus.subjects.orphans_stream, subjects=[bus.subjects.orphans_all],
                           retention=RetentionPolicy.LIMITS, storage=StorageType.FILE, max_age=RETENTION_S,
-                          duplicate_window=DUPLICATE_WINDOW_S)
+                          duplicate_window=DUPLICATE_WINDOW_S, num_replicas=stream_replicas())
     try:
         await bus.js.add_stream(config)
     except BadRequestError:  # it exists with another config (an operator changed it): keep theirs

@@ -24,6 +24,7 @@ from nats.js.errors import BadRequestError
 
 from shared import schema
 from shared.bus import Bus
+from shared.replication import stream_replicas
 from shared.schema import UsageEvent
 from shared.telemetry import traced
 
@@ -49,7 +50,8 @@ def dead_letter_id(stream_seq: int) -> str:
 
 async def _ensure_stream(bus: Bus, name: str, subject: str, max_age_s: float) -> None:
     config = StreamConfig(name=name, subjects=[subject], retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
-                          max_age=max_age_s, duplicate_window=DUPLICATE_WINDOW_S)
+                          max_age=max_age_s, duplicate_window=DUPLICATE_WINDOW_S,
+                          num_replicas=stream_replicas())
     try:
         await bus.js.add_stream(config)
     except BadRequestError:  # it exists with another config (an operator changed it): keep theirs

@@ -21,6 +21,7 @@ from nats.js.errors import BadRequestError
 
 from shared.batch_schema import BatchLineResult
 from shared.bus import Bus
+from shared.replication import stream_replicas
 from shared.telemetry import traced
 
 log = logging.getLogger("infermesh.batch")
@@ -30,15 +31,18 @@ RESULTS_RETENTION_S = 30 * DAY_S
 
 
 async def ensure_batch_streams(bus: Bus) -> None:
-    s = bus.subjects
+    s, replicas = bus.subjects, stream_replicas()
     for config in (
         StreamConfig(name=s.batch_submit_stream, subjects=[s.batch_submit_all], retention=RetentionPolicy.LIMITS,
-                     storage=StorageType.FILE, max_age=SUBMIT_RETENTION_S, duplicate_window=DAY_S),
+                     storage=StorageType.FILE, max_age=SUBMIT_RETENTION_S, duplicate_window=DAY_S,
+                     num_replicas=replicas),
         StreamConfig(name=s.batch_results_stream, subjects=[s.batch_results_all], retention=RetentionPolicy.LIMITS,
-                     storage=StorageType.FILE, max_age=RESULTS_RETENTION_S, duplicate_window=DAY_S),
+                     storage=StorageType.FILE, max_age=RESULTS_RETENTION_S, duplicate_window=DAY_S,
+                     num_replicas=replicas),
         StreamConfig(name=s.batch_events_stream, subjects=[s.batch_events_all], retention=RetentionPolicy.LIMITS,
                      storage=StorageType.FILE, max_age=RESULTS_RETENTION_S, max_msgs_per_subject=1,
-                     allow_direct=True),  # a job's status: DIRECT.GET.<stream>.<subject>, which names the team
+                     allow_direct=True, num_replicas=replicas),  # a job's status: DIRECT.GET.<stream>.<subject>,
+                                                                  # which names the team
     ):
         try:
             await bus.js.add_stream(config)

@@ -18,11 +18,13 @@ import yaml
 from infermesh.compose_secrets import SERVICES, env_of, init
 from infermesh.up import MeshOptions, start_processes
 from shared.nats_auth import ENV as NATS_ENV
+from shared.replication import ENV as REPLICAS_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 OTEL_VARS = {"OTEL_EXPORTER_OTLP_ENDPOINT"}  # OpenTelemetry's own, read by its SDK (shared/telemetry.py)
 NATS_VARS = set(NATS_ENV.values())  # the bus credentials, read by shared/nats_auth.py
+SHARED_VARS = {REPLICAS_ENV}  # read by shared/ for every service (shared/replication.py)
 
 
 ONE_SHOTS = ("secrets", "provision")  # compose_secrets init / provision: they run once, before the services
@@ -109,7 +111,7 @@ def test_every_variable_it_sets_is_one_the_service_reads(name, tmp_path):
     given = env_of(tmp_path / _secrets_subpath(spec))
     assert given["INFERMESH_NATS_USER"] == SERVICES[name].value  # its own role on the bus
     unknown = {var for var in [*spec["environment"], *given]
-               if var not in fields and var not in OTEL_VARS and var not in NATS_VARS}
+               if var not in fields and var not in OTEL_VARS | NATS_VARS | SHARED_VARS}
     assert not unknown, f"{name} sets {sorted(unknown)}, which {_module(spec)} does not read"
 
 
