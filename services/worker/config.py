@@ -48,6 +48,14 @@ class WorkerConfig(BusConfig):
     kv_connector: str = ""  # vllm: "nixl" to hand KV to / take KV from other workers (prefill/decode roles)
     nixl_port: int = 0  # vllm: the NIXL side channel's port (0: a free one)
     engine_nice: int = 10  # vllm: nice value of the engine core processes (the control plane runs first)
+    # vllm on GPUs (deploy/k8s/overlays/gpu-fleet); the defaults are what a CPU engine runs
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    gpu_memory_utilization: float = 0.0  # 0: vLLM's default
+    enforce_eager: bool = True  # False: capture CUDA graphs
+    kv_buffer_device: str = "cpu"  # vllm + nixl: where KV is read and written ("cuda" on GPUs)
+    nixl_host: str = "127.0.0.1"  # vllm + nixl: the address peers reach this engine's NIXL side channel on
 
     def __post_init__(self) -> None:
         assert self.role in ("both", "prefill", "decode"), f"role must be both|prefill|decode, not {self.role!r}"
@@ -81,4 +89,7 @@ class WorkerConfig(BusConfig):
             kv_cache_dtype=self.kv_cache_dtype, cpu_core=self.cpu_core, worker_id=self.worker_id,
             kv_connector=self.kv_connector, nixl_port=self.nixl_port,
             max_num_batched_tokens=self.max_num_batched_tokens, engine_nice=self.engine_nice,
+            tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size,
+            enable_expert_parallel=self.enable_expert_parallel, gpu_memory_utilization=self.gpu_memory_utilization,
+            enforce_eager=self.enforce_eager, kv_buffer_device=self.kv_buffer_device, nixl_host=self.nixl_host,
         )

@@ -85,11 +85,33 @@ class VllmEngineConfig:
     max_num_batched_tokens: int = 0  # tokens one step computes at most (the pool's prefill budget); 0: vLLM's
     # the engine core processes' nice value (engines/priority.py: the control plane runs first); 0: as this one
     engine_nice: int = 10
+    # GPUs (deploy/k8s/overlays/gpu-fleet): this CPU build runs none of these but the defaults
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1  # attention data parallel ranks (MLA models on NVL72: one rank per GPU)
+    enable_expert_parallel: bool = False  # MoE experts sharded over the ranks instead of tensor-parallel
+    gpu_memory_utilization: float = 0.0  # share of each GPU's memory vLLM takes (0: vLLM's default)
+    enforce_eager: bool = True  # no CUDA graphs (CPU: none exist; GPUs: False captures them)
 
     def __post_init__(self) -> None:
         assert self.model_path, "the vllm engine needs --model-path (a local model folder)"
+        assert self.tensor_parallel_size >= 1 and self.data_parallel_size >= 1
+        assert 0 <= self.gpu_memory_utilization <= 1
         assert self.kv_cache_gib > 0 and self.max_model_len > 0
         assert self.kv_connector in ("", "nixl"), f"kv_connector must be nixl or empty, not {self.kv_connector!r}"
+
+
+def gpu_args(c: VllmEngineConfig) -> dict[str, Any]:
+    """vLLM's parallelism and memory arguments where they differ from its defaults (none on CPU)."""
+    args: dict[str, Any] = {}
+    if c.tensor_parallel_size > 1:
+        args["tensor_parallel_size"] = c.tensor_parallel_size
+    if c.data_parallel_size > 1:
+        args["data_parallel_size"] = c.data_parallel_size
+    if c.enable_expert_parallel:
+        args["enable_expert_parallel"] = True
+    if c.gpu_memory_utilization:
+        args["gpu_memory_utilization"] = c.gpu_memory_utilization
+    return args
 
 
 @dataclass(slots=True)
@@ -137,7 +159,7 @@ class VllmEngine(Engine):
                                               endpoint=self._kv_subscriber.endpoint, topic=TOPIC)
         kv_transfer_config = self._kv_transfer_config(engine_env)
         args = AsyncEngineArgs(
-            model=c.model_path, served_model_name=c.model, enforce_eager=True, max_model_len=c.max_model_len,
+            model=c.model_path, served_model_name=c.model, enforce_eager=c.enforce_eager, max_model_len=c.max_model_len,
             block_size=c.block_size or None, enable_prefix_caching=c.enable_prefix_caching,
             kv_cache_dtype=c.kv_cache_dtype, dtype=c.dtype, disable_log_stats=True, kv_events_config=kv_events_config,
             # xgrammar only (auto would fall back to guidance/outlines, which the closing processor's
@@ -147,6 +169,7 @@ class VllmEngine(Engine):
             logits_processors=[_CLOSING_PROCESSOR] if c.budget_closing else None,
             kv_transfer_config=kv_transfer_config, max_num_batched_tokens=c.max_num_batched_tokens or None,
             scheduling_policy="priority",  # batch behind interactive, and preempted first (base.ENGINE_PRIORITY)
+            **gpu_args(c),
         )
         from services.worker.engines.hook_faults import SOCKET_ENV, FaultListener
         from services.worker.engines.priority import SpawnedProcesses
