@@ -1,8 +1,9 @@
-"""The secrets of a docker-compose mesh: made once in a volume, each container shown only its own.
+"""The secrets of a deployed mesh (docker-compose, Kubernetes): made once, each container shown only its own.
 
-    python -m infermesh.compose_secrets init /secrets          # once per volume: passwords, keys, nats.json
-    python -m infermesh.compose_secrets provision /run/infermesh   # as admin: every bucket and stream, first
-    python -m infermesh.compose_secrets run /run/infermesh -- python -m services.edge ...   # env from files, exec
+    python -m infermesh.deploy_secrets init /secrets          # once per volume: passwords, keys, nats.json
+    python -m infermesh.deploy_secrets provision /run/infermesh   # as admin: every bucket and stream, first
+    python -m infermesh.deploy_secrets run /run/infermesh -- python -m services.edge ...   # env from files, exec
+    python -m infermesh.deploy_secrets k8s ~/.infermesh-k8s | kubectl apply -f -   # deploy/k8s's Secrets
 
 ``init`` writes (0600 files in 0700 folders, except where a container's own user must read them):
 
@@ -90,6 +91,33 @@ def env_of(folder: Path) -> dict[str, str]:
             if path.is_file() and path.name.startswith("INFERMESH_")}
 
 
+def k8s_secrets(folder: Path, namespace: str = "im", api_key: str = "") -> tuple[str, str | None]:
+    """Kubernetes Secrets for deploy/k8s, from the secrets under ``folder`` (made there once, kept): the NATS
+    servers' users (``infermesh-nats-auth``, key ``auth.conf``, included by their config) and one Secret per
+    service, ``infermesh-<service>``, whose keys are its environment variables. The ledger's URL is not here:
+    Postgres is external (Secret ``infermesh-ledger``, key ``database-url``, made by the operator).
+    Returns the manifests (YAML) and the API key if it was made now."""
+    import yaml
+
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    roles = load_or_create_secrets(folder / "roles")
+    key, made = _read_or_make(folder / API_KEY_FILE, api_key)
+    edge_secret, _ = _read_or_make(folder / "edge-secret")
+    users = server_config(4222, Path("/data"), Subjects(namespace), roles)["authorization"]
+    documents = [_secret("infermesh-nats-auth", {"auth.conf": f"authorization: {json.dumps(users)}\n"})]
+    for service, role in SERVICES.items():
+        env = {"INFERMESH_NATS_USER": role.value, "INFERMESH_NATS_PASSWORD": roles[role]}
+        if service == "edge":
+            env |= {"INFERMESH_DEV_KEY": key, "INFERMESH_EDGE_SECRET": edge_secret}
+        documents.append(_secret(f"infermesh-{service}", env))
+    return yaml.safe_dump_all(documents, sort_keys=False), key if made else None
+
+
+def _secret(name: str, data: dict[str, str]) -> dict:
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": name, "labels": {"app.kubernetes.io/part-of": "infermesh"}}, "stringData": data}
+
+
 def run(folder: Path, command: list[str]) -> None:
     """Replace this process with ``command``, ``folder``'s variables added to its environment."""
     if not command:
@@ -106,6 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     made.add_argument("--nats-listen", default="0.0.0.0:4222")
     made.add_argument("--store-dir", default="/data", help="JetStream's store, in the nats container")
     made.add_argument("--database", default="postgres:5432/infermesh", help="host:port/database of the ledger")
+    k8s = sub.add_parser("k8s", help="print the Kubernetes Secrets of deploy/k8s (kubectl apply -f -)")
+    k8s.add_argument("folder", type=Path, help="where the secrets are kept (made once, reused)")
+    k8s.add_argument("--namespace", default=os.environ.get("INFERMESH_NAMESPACE", "im"))
     for name in ("provision", "run"):
         one = sub.add_parser(name)
         one.add_argument("folder", type=Path)
@@ -117,6 +148,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"infermesh: your API key (shown once; team 'default'): {key}" if key else
               "infermesh: secrets kept from the first start (the API key is in the secrets volume, api-key)",
               flush=True)
+    elif args.what == "k8s":
+        manifests, key = k8s_secrets(args.folder, args.namespace, os.environ.get("INFERMESH_API_KEY", ""))
+        sys.stdout.write(manifests)
+        if key:
+            print(f"infermesh: your API key (shown once; team 'default'): {key}", file=sys.stderr)
     elif args.what == "provision":
         env = env_of(args.folder)
         asyncio.run(provision(os.environ.get("INFERMESH_NATS_URL", "nats://nats:4222"),

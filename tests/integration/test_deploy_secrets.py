@@ -1,4 +1,4 @@
-"""infermesh/compose_secrets.py on a real nats-server: what docker-compose's `secrets`, `provision` and each
+"""infermesh/deploy_secrets.py on a real nats-server: what docker-compose's `secrets`, `provision` and each
 service's `run` do, without Docker. The generated server config locks the bus (anonymous refused, each service
 connects as its role); provisioning as admin makes the buckets; `run` hands a service its own secrets and no
 other's; a second `init` keeps every secret, and the API key is printed only when it is made."""
@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from infermesh.compose_secrets import SERVICES, env_of, init
+from infermesh.deploy_secrets import SERVICES, env_of, init
 from infermesh.processes import nats_server_binary
 from shared.bus import Bus, BusError
 from shared.nats_auth import NatsCredentials
@@ -64,7 +64,7 @@ async def test_the_generated_config_locks_the_bus_and_provision_and_run_use_it(t
         with pytest.raises(BusError):
             await Bus.connect(url, namespace, "anonymous", NatsCredentials())
         env = {**os.environ, "INFERMESH_NATS_URL": url, "INFERMESH_NAMESPACE": namespace}
-        done = subprocess.run([sys.executable, "-m", "infermesh.compose_secrets", "provision",
+        done = subprocess.run([sys.executable, "-m", "infermesh.deploy_secrets", "provision",
                                str(folder / "provision")], env=env, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         edge = await Bus.connect(url, namespace, "edge", NatsCredentials.from_env(env_of(folder / "edge")))
@@ -72,7 +72,7 @@ async def test_the_generated_config_locks_the_bus_and_provision_and_run_use_it(t
             await edge.js.key_value(edge.subjects.api_keys_bucket)  # provisioned: the edge reads it
         finally:
             await edge.close()
-        shown = subprocess.run([sys.executable, "-m", "infermesh.compose_secrets", "run", str(folder / "breaker"),
+        shown = subprocess.run([sys.executable, "-m", "infermesh.deploy_secrets", "run", str(folder / "breaker"),
                                 "--", sys.executable, "-c",
                                 "import os; print(os.environ['INFERMESH_NATS_USER'],"
                                 " os.environ.get('INFERMESH_DEV_KEY', '-'))"],
