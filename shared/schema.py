@@ -163,7 +163,8 @@ class LeaseGranted(Struct, frozen=True, tag="granted"):
 
 class LeaseRejected(Struct, frozen=True, tag="rejected"):
     code: str  # too_large | concurrency_limit | tokens_per_minute | queue_full | queue_timeout | model_not_found
-    #            | insufficient_quota (the team's budget for the month is spent)
+    #            | insufficient_quota (the team's budget for the month is spent) | admission_moved (ask the new
+    #            leader) | admission_unavailable (the lease could not be recorded: ask again)
     message: str
     retry_after_s: float = 1.0
 

@@ -336,7 +336,11 @@ class AdmissionService:
         record = LeaseRecord(lease.lease_id, lease.team, lease.klass, model, lease.tokens, lease.holder,
                              self.budgets.reserved_nano(lease.lease_id))
         assert self._store is not None
-        await self._store.put_lease(record)  # durable before the holder hears of it
+        try:
+            await self._store.put_lease(record)  # durable before the holder hears of it
+        except Exception as exc:  # the bucket unwritable (its NATS server lost, a leader being elected): no grant
+            await self._ungranted(model, lease.lease_id, raw, exc)
+            return
         # a waiter leaves the queue only now: if this is cut short (the replica steps down), it is still answered
         raw = raw or self._waiting.pop(lease.lease_id, None)
         self.models[lease.lease_id] = model
@@ -345,6 +349,22 @@ class AdmissionService:
             await self._on_release(LeaseRelease(lease.lease_id), None)  # type: ignore[arg-type]
             return
         await self.bus.respond(raw, LeaseGranted(lease.lease_id, self.config.lease_ttl_s))
+
+    async def _ungranted(self, model: str, lease_id: str, raw: Msg | None, exc: Exception) -> None:
+        """A grant whose lease record could not be written: its capacity and reservation go back, and its
+        requester hears at once that admission cannot grant now (503, retryable) instead of waiting out its
+        timeout."""
+        log.warning("lease %s not granted: its record could not be written: %r", lease_id, exc)
+        self.stats["rejected:admission_unavailable"] += 1
+        self.budgets.drop(lease_id)
+        raw = raw or self._waiting.pop(lease_id, None)
+        ledger = self.ledgers.get(model)
+        if ledger is not None:
+            for grant in ledger.release(lease_id, time.time()):
+                self._grant(model, grant)
+        if raw is not None:
+            await self.bus.respond(raw, LeaseRejected("admission_unavailable",
+                                                      "admission could not record the lease; retry", 1.0))
 
     async def _answer_reject(self, raw: Msg, reject: Reject) -> None:
         self.stats[f"rejected:{reject.code}"] += 1

@@ -35,6 +35,7 @@ log = logging.getLogger("infermesh.edge")
 CLASSES: tuple[str, ...] = get_args(RequestClass)
 RATE_LIMITED = ("concurrency_limit", "tokens_per_minute")  # the team's own limits
 POOL_FULL = ("queue_full", "queue_timeout")  # the pool's: another deployment may have room
+ASK_AGAIN = ("admission_moved", "admission_unavailable")  # admission's own moment: asked again until the deadline
 FAILOVER_S = 5.0  # how long an acquire keeps asking while no admission leader answers (leader TTL 3 s)
 EARLY_REVOCATIONS = 1024  # the latest revocations of leases no request watches (yet), kept for watch()
 
@@ -86,8 +87,8 @@ class AdmissionClient:
                 self.ttl_s = reply.expires_in_s
                 self.held.add(reply.lease_id)
                 return reply.lease_id
-            if reply.code == "admission_moved" and time.monotonic() + reply.retry_after_s < deadline:
-                await asyncio.sleep(reply.retry_after_s)  # a new leader is taking over: ask it
+            if reply.code in ASK_AGAIN and time.monotonic() + reply.retry_after_s < deadline:
+                await asyncio.sleep(reply.retry_after_s)  # a new leader is taking over, or its bucket: ask again
                 continue
             if reply.code == "insufficient_quota":
                 raise errors.insufficient_quota(reply.message)

@@ -18,7 +18,7 @@ from services.admission.leader import LEADER_KEY
 from shared import schema
 from shared.bus import Bus, BusError
 from shared.kv_cas import ensure_bucket
-from shared.schema import LeaseRejected, LeaseReply, LeaseRequest, WorkerInfo
+from shared.schema import LeaseGranted, LeaseRejected, LeaseReply, LeaseRequest, WorkerInfo
 from tests.utils import eventually
 
 
@@ -68,5 +68,48 @@ async def test_a_leader_stepping_down_answers_every_request_it_received(nats_url
         assert time.monotonic() - stepped_down_at < 5, "requests waited out their timeout"
         for reply in replies:  # decided after the step-down: each is told to ask the new leader
             assert isinstance(reply, LeaseRejected) and reply.code == "admission_moved", reply
+    finally:
+        await mesh.stop()
+
+
+class FailingWrites:
+    """The leases bucket's lease writes fail (its NATS server lost) while ``failing`` is set."""
+
+    def __init__(self, put_lease) -> None:
+        self.put_lease, self.failing = put_lease, True
+
+    async def __call__(self, record) -> None:
+        if self.failing:
+            raise TimeoutError("nats: timeout")
+        await self.put_lease(record)
+
+
+async def test_a_lease_that_cannot_be_recorded_is_refused_at_once_and_its_capacity_comes_back(nats_url, namespace,
+                                                                                              bus):
+    """A grant's record must be durable before it is answered; when the bucket cannot take it the requester hears
+    ``admission_unavailable`` at once (it waited out its whole timeout), and the capacity is not held."""
+    workers = await ensure_bucket(bus, bus.subjects.workers_bucket)
+    await workers.put("w-1", schema.encode(WorkerInfo("w-1", "both", "m", "sim", 1, 16, 4096, "none",
+                                                      heartbeat_ttl_s=3600.0)))  # 16 tokens: one lease at a time
+    mesh = LocalMesh(nats_url, namespace)
+    try:
+        leader = await mesh.start_admission(admission_id="adm-a", leader_ttl_s=3.0, admit_fraction=1.0)
+        await eventually(lambda: leader.leadership.is_leader, 10)
+        writes = leader._store.put_lease = FailingWrites(leader._store.put_lease)
+
+        async def ask() -> LeaseReply | str:
+            request = LeaseRequest(uuid.uuid4().hex, "t", "interactive", "m", 16, "edge-1", 0.0, 8, 8)
+            try:
+                return await bus.request(bus.subjects.admission_acquire, request, LeaseReply, timeout=5)
+            except BusError as exc:
+                return str(exc)
+
+        asked_at = time.monotonic()
+        refused = await ask()
+        assert isinstance(refused, LeaseRejected) and refused.code == "admission_unavailable", refused
+        assert time.monotonic() - asked_at < 2
+        writes.failing = False
+        granted = await ask()  # the refused lease holds no capacity: the pool's only slot is free
+        assert isinstance(granted, LeaseGranted), granted
     finally:
         await mesh.stop()
