@@ -32,17 +32,22 @@ async def edges_bucket(bus: Bus) -> KeyValue:
     return await ensure_bucket(bus, bus.subjects.edges_bucket)
 
 
-def edge_beacon(bus: Bus, edge_id: str, started_at: float) -> Beacon:
+def edge_beacon(bus: Bus, edge_id: str, started_at: float, usage_pending: Callable[[], int] = lambda: 0) -> Beacon:
+    """Each beat and pong says how much of the edge's usage is not yet in the stream (``usage_pending``, read
+    from the liveness thread: an int)."""
     info = EdgeInfo(edge_id, started_at)
-    return Beacon(edge_id, bus.subjects.edges_bucket, edge_id, lambda: msgspec.structs.replace(info, ts=time.time()),
-                  bus.subjects.edge_ping(edge_id), lambda lag: EdgePong(edge_id, lag))
+    return Beacon(edge_id, bus.subjects.edges_bucket, edge_id,
+                  lambda: msgspec.structs.replace(info, ts=time.time(), usage_pending=usage_pending()),
+                  bus.subjects.edge_ping(edge_id), lambda lag: EdgePong(edge_id, lag, usage_pending()))
 
 
 async def edge_registration(bus: Bus, edge_id: str, heartbeat_s: float, ttl_s: float,
-                            max_stall_s: float = DEFAULT_MAX_STALL_S) -> Registration:
+                            max_stall_s: float = DEFAULT_MAX_STALL_S,
+                            usage_pending: Callable[[], int] = lambda: 0) -> Registration:
     """A started registration of this edge: its key is in the bucket when this returns."""
     await edges_bucket(bus)
-    registration = Registration(bus, edge_beacon(bus, edge_id, time.time()), heartbeat_s, ttl_s, max_stall_s)
+    registration = Registration(bus, edge_beacon(bus, edge_id, time.time(), usage_pending), heartbeat_s, ttl_s,
+                                max_stall_s)
     await registration.start()
     return registration
 

@@ -64,6 +64,7 @@ class EdgeInfo(Struct, frozen=True):
     edge_id: str
     started_at: float
     ts: float = 0.0
+    usage_pending: int = 0  # usage messages the edge has not got into the stream yet (billing not yet durable)
 
 
 class EdgePing(Struct, frozen=True):
@@ -73,6 +74,7 @@ class EdgePing(Struct, frozen=True):
 class EdgePong(Struct, frozen=True):
     edge_id: str
     loop_lag_s: float  # how long ago the edge's event loop last ran
+    usage_pending: int = 0  # as EdgeInfo's
 
 
 # ---------------------------------------------------------------- load

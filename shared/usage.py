@@ -68,9 +68,19 @@ class UsagePublisher:
         self.give_up_s = give_up_s
         self.published = 0
         self.lost = 0
+        # usage messages not yet in the stream (JetStream away or electing a leader): the edge's heartbeat
+        # carries this, and workers keep the reports of its ended requests while it is not 0 (worker/orphans.py)
+        self.pending = 0
 
     async def publish(self, event: UsageEvent) -> int:
         """The message's stream sequence once JetStream has it (retried while NATS is away); 0 if lost."""
+        self.pending += 1
+        try:
+            return await self._publish(event)
+        finally:
+            self.pending -= 1
+
+    async def _publish(self, event: UsageEvent) -> int:
         data, headers = schema.encode(event), traced({"Nats-Msg-Id": dedupe_id(event)})
         deadline, delay = time.monotonic() + self.give_up_s, 0.05
         while True:

@@ -98,10 +98,13 @@ class Link:
             await self.admission.start()
         await self.directory.start()
 
-    async def start_liveness(self, edge_id: str, config: EdgeConfig) -> None:
+    async def start_liveness(self, edge_id: str, config: EdgeConfig, usage_pending: Callable[[], int]) -> None:
+        """Beat in this deployment's edges bucket, saying how much usage this edge has not yet got into the
+        stream (its workers keep reports of its ended requests until that is none)."""
         if self.orphans is not None:
             await self.orphans.start()
-        self.registration = await edge_registration(self.bus, edge_id, config.edge_heartbeat_s, config.edge_ttl_s)
+        self.registration = await edge_registration(self.bus, edge_id, config.edge_heartbeat_s, config.edge_ttl_s,
+                                                    usage_pending=usage_pending)
 
     async def stop(self) -> None:
         """The edges key goes last: the deployment's workers abort what this edge still ran once it is gone."""

@@ -146,7 +146,7 @@ class EdgeMesh:
         if not self._secret:
             log.warning("no edge secret (INFERMESH_EDGE_SECRET): requests of this edge go unbilled if it dies")
         for link in self.links:
-            await link.start_liveness(self.edge_id, self.config)
+            await link.start_liveness(self.edge_id, self.config, lambda: self.usage.pending)
 
     async def stop(self) -> None:
         """The edges keys go last: workers abort what this edge still had running once it is gone."""

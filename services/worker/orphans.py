@@ -15,9 +15,11 @@ orphans stream for a surviving edge to bill (``services/edge/orphans.py``).
 | pinged, silent                            | abort each of its running requests, once                  |
 
 A request that ends on its own is not proof that its edge billed it: the edge may die between the end
-message and its usage publish (a short request ends long before its edge's key lapses). So the report of
-each ended request is kept until its edge is seen beating ``settle_s`` after the end; an edge found silent
-meanwhile gets them reported too (``finish_reason`` as the engine ended them). A report the dead edge did
+message and its usage publish (a short request ends long before its edge's key lapses), or while its usage
+waits for the stream (JetStream electing a leader after a lost server: seconds). So the report of each ended
+request is kept until its edge is seen beating ``settle_s`` after the end *with no usage pending* (each beat
+and pong says how many of its usage messages are not yet in the stream); an edge found silent meanwhile gets
+them reported too (``finish_reason`` as the engine ended them). A report the dead edge did
 bill costs nothing: it shares the dedupe id ``<request_id>:<attempt>`` with the edge's usage.
 
 ``OrphanTracker`` is the pure core (a fake clock in its tests); ``OrphanReaper`` wires it to the bus.
@@ -95,10 +97,11 @@ class OrphanTracker:
         self.untrack(request_id)
         return False
 
-    def edge_beat(self, edge_id: str, now: float) -> None:
-        """The edge is alive at ``now``: what ended ``settle_s`` before it was billed by the edge itself."""
+    def edge_beat(self, edge_id: str, now: float, usage_pending: int = 0) -> None:
+        """The edge is alive at ``now``: what ended ``settle_s`` before it was billed by the edge itself, unless
+        the edge still holds usage it has not got into the stream (then it may die with it: keep every report)."""
         ended = self._ended.get(edge_id)
-        if not ended:
+        if not ended or usage_pending:
             return
         for request_id in [r for r, (at, _) in ended.items() if at + self.settle_s <= now]:
             del ended[request_id]
@@ -128,11 +131,11 @@ class OrphanTracker:
         self._probing.update(edges)
         return edges
 
-    def answered(self, edge_id: str, now: float) -> None:
+    def answered(self, edge_id: str, now: float, usage_pending: int = 0) -> None:
         self._probing.discard(edge_id)
         if edge_id in self._probe_at:
             self._probe_at[edge_id] = now + self.grace_s
-        self.edge_beat(edge_id, now)
+        self.edge_beat(edge_id, now, usage_pending)
 
     def probe_failed(self, edge_id: str, retry_at: float) -> None:
         """The ping itself failed (not an answer, not silence): ask again at ``retry_at``."""
@@ -174,7 +177,8 @@ class OrphanReaper:
     async def start(self) -> None:
         await ensure_orphans_stream(self.bus)
         self.directory.on_added.append(self.tracker.edge_live)
-        self.directory.on_beat.append(lambda edge_id: self.tracker.edge_beat(edge_id, time.monotonic()))
+        self.directory.on_beat.append(lambda edge_id: self.tracker.edge_beat(
+            edge_id, time.monotonic(), self.directory.edges[edge_id].usage_pending))
         self.directory.on_removed.append(lambda edge_id: self.tracker.edge_left(edge_id, time.monotonic()))
         await self.directory.start()
         self._sweeper = asyncio.create_task(self._sweep(), name="orphan-sweep")
@@ -214,7 +218,7 @@ class OrphanReaper:
             self.stats["answered"] += 1
             log.warning("edge %s is out of the edges bucket but answers (its loop ran %.1fs ago): its requests "
                         "run on", edge_id, pong.loop_lag_s)
-            self.tracker.answered(edge_id, time.monotonic())
+            self.tracker.answered(edge_id, time.monotonic(), pong.usage_pending)
             return
         self.stats["silent"] += 1
         doomed = self.tracker.silent(edge_id)

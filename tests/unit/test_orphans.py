@@ -120,6 +120,26 @@ def test_a_request_that_ended_before_its_edge_died_is_reported_when_the_edge_is_
     assert tracker.ended("r2", "report-r2", now=7.0) is True  # its edge is known dead: report at once
 
 
+def test_an_edge_holding_usage_it_has_not_published_proves_nothing_until_it_has():
+    """The usage stream lost its leader with its NATS server: the edge beats on while its usage waits (seconds).
+    Seen in the cluster test: the worker took such beats as billing, the edge was then SIGKILLed, and a stream it
+    had cut after tokens was billed by nobody."""
+    tracker = tracker_with(("r1", "e1"), ("r2", "e1"), live=("e1",))
+    tracker.ended("r1", "report-r1", now=1.0)
+    tracker.edge_beat("e1", now=10.0, usage_pending=3)  # long after the end, but usage not in the stream yet
+    tracker.answered("e1", now=11.0, usage_pending=1)  # a pong says the same
+    assert tracker.num_ended() == 1
+    tracker.edge_left("e1", now=12.0)  # then it died
+    assert tracker.due(12.0) == ["e1"] and tracker.silent("e1") == ["r2"]
+    assert tracker.take_ended("e1") == ["report-r1"]  # reported: a surviving edge bills it (once: its dedupe id)
+
+    settled = tracker_with(("r3", "e2"), live=("e2",))
+    settled.ended("r3", "report-r3", now=1.0)
+    settled.edge_beat("e2", now=10.0, usage_pending=2)
+    settled.edge_beat("e2", now=11.0, usage_pending=0)  # its usage is out: now the edge's beat proves billing
+    assert settled.num_ended() == 0
+
+
 def test_an_edge_with_only_ended_requests_is_pinged_when_it_leaves_and_forgotten_when_it_answers():
     tracker = tracker_with(("r1", "e1"), live=("e1",))
     tracker.ended("r1", "report-r1", now=1.0)
