@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 
 from alembic import context
+from sqlalchemy import text
 
 from services.metering.db import create_engine, database_url, is_sqlite
 from services.metering.models import Base
 
 config = context.config
 target_metadata = Base.metadata
+MIGRATION_LOCK_KEY = 0x1F3A_6E5D  # a Postgres advisory lock: one migration of the ledger at a time
 
 
 def _url() -> str:
@@ -27,6 +29,10 @@ def _run(connection) -> None:
     context.configure(connection=connection, target_metadata=target_metadata,
                       render_as_batch=connection.dialect.name == "sqlite")
     with context.begin_transaction():
+        if connection.dialect.name == "postgresql":
+            # two metering replicas starting together on a new database: one migrates, the other waits here
+            # and then finds the schema current (without it the second failed on tables the first was making)
+            connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
         context.run_migrations()
 
 

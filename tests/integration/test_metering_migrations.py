@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import sys
 import time
 
 import httpx
@@ -210,3 +211,27 @@ async def test_the_deployment_that_served_is_in_the_row_and_old_rows_read_as_unk
                                                                        "req-older": ""}
     finally:
         await engine.dispose()
+
+
+async def test_replicas_migrating_a_new_postgres_ledger_at_once_all_succeed():
+    """Two metering replicas started together (a cluster, a Deployment of 2) on an empty database: one migrates,
+    the others wait for it and find the schema current. Seen in the cluster test: the second failed with
+    ``duplicate key value violates unique constraint "pg_type_typname_nsp_index"`` on tables the first was
+    making, and logged an error until it tried again."""
+    url, drop = await fresh_database_or_skip("postgres")
+    try:
+        # processes, as replicas are (Alembic's context is one per process: threads would share it)
+        code = f"import asyncio; from services.metering.db import migrate; asyncio.run(migrate({url!r}))"
+        replicas = [await asyncio.create_subprocess_exec(sys.executable, "-c", code, stderr=asyncio.subprocess.PIPE)
+                    for _ in range(3)]
+        results = await asyncio.wait_for(asyncio.gather(*(r.communicate() for r in replicas)), 120)
+        failed = [err.decode()[-500:] for (_, err), r in zip(results, replicas, strict=True) if r.returncode]
+        assert failed == []
+        engine = create_engine(url)
+        try:
+            async with engine.connect() as conn:
+                assert (await conn.execute(text("SELECT count(*) FROM alembic_version"))).scalar_one() == 1
+        finally:
+            await engine.dispose()
+    finally:
+        await drop()
