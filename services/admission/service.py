@@ -84,6 +84,7 @@ class AdmissionService:
         self.ledgers: dict[str, Ledger] = {}
         self.models: dict[str, str] = {}  # lease id -> model
         self._waiting: dict[str, Msg] = {}  # ticket -> the request to answer
+        self._granting: dict[str, Msg] = {}  # ticket granted at once, its record being written -> its newest ask
         self._subs: list[object] = []
         self._tick: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -212,6 +213,9 @@ class AdmissionService:
         if not self.leadership.still_leader():
             await self.bus.respond(raw, LeaseRejected("admission_moved", "admission is changing leader", 0.5))
             return "admission_moved", 0
+        asked_again = self._asked_again(request, raw)
+        if asked_again is not None:
+            return asked_again, 0
         if not any(w.role in SERVING_ROLES for w in self.directory.live(request.model)):
             await self.bus.respond(raw, LeaseRejected("model_not_found", f"no live worker serves {request.model!r}"))
             return "model_not_found", 0
@@ -237,6 +241,24 @@ class AdmissionService:
         self.budgets.drop(request.ticket)
         await self._answer_reject(raw, result)
         return result.code, 0
+
+    def _asked_again(self, request: LeaseRequest, raw: Msg) -> str | None:
+        """An edge asks again for a ticket it had no answer for (its ask to a dead leader was lost, or it waited
+        past its ask's timeout): answer it as it stands, never as a second request. Granted (by this leader, or
+        restored from the old one's record): the grant again; queued: the newest ask is the one answered."""
+        for asks in (self._waiting, self._granting):
+            if request.ticket in asks:
+                asks[request.ticket] = raw
+                self.stats["asked_again"] += 1
+                return "queued"
+        if request.ticket in self.models:  # a lease id is its ticket
+            self.stats["asked_again"] += 1
+            task = asyncio.get_running_loop().create_task(
+                self.bus.respond(raw, LeaseGranted(request.ticket, self.config.lease_ttl_s)))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            return "granted"
+        return None
 
     async def _on_renew(self, request: LeaseRenew, raw: Msg) -> None:
         now, unknown, revoked = time.time(), [], []
@@ -324,6 +346,8 @@ class AdmissionService:
         """Answer a grant in the background: its lease record's write (a JetStream round trip) must not hold the
         next decision. Decisions stay in arrival order, in memory; each grant is still durable before its
         holder hears of it. (Awaited in turn, 16 requests arriving at once waited ~16 ms for admission.)"""
+        if raw is not None:
+            self._granting[grant.lease.lease_id] = raw
         task = asyncio.get_running_loop().create_task(self._answer_grant(model, grant, raw))
         self._background.add(task)  # keep a reference until it is done
         task.add_done_callback(self._background.discard)
@@ -342,7 +366,7 @@ class AdmissionService:
             await self._ungranted(model, lease.lease_id, raw, exc)
             return
         # a waiter leaves the queue only now: if this is cut short (the replica steps down), it is still answered
-        raw = raw or self._waiting.pop(lease.lease_id, None)
+        raw = self._granting.pop(lease.lease_id, None) or raw or self._waiting.pop(lease.lease_id, None)
         self.models[lease.lease_id] = model
         self.stats["granted"] += 1
         if raw is None:  # the waiter left: give the capacity back
@@ -357,7 +381,7 @@ class AdmissionService:
         log.warning("lease %s not granted: its record could not be written: %r", lease_id, exc)
         self.stats["rejected:admission_unavailable"] += 1
         self.budgets.drop(lease_id)
-        raw = raw or self._waiting.pop(lease_id, None)
+        raw = self._granting.pop(lease_id, None) or raw or self._waiting.pop(lease_id, None)
         ledger = self.ledgers.get(model)
         if ledger is not None:
             for grant in ledger.release(lease_id, time.time()):

@@ -37,6 +37,9 @@ RATE_LIMITED = ("concurrency_limit", "tokens_per_minute")  # the team's own limi
 POOL_FULL = ("queue_full", "queue_timeout")  # the pool's: another deployment may have room
 ASK_AGAIN = ("admission_moved", "admission_unavailable")  # admission's own moment: asked again until the deadline
 FAILOVER_S = 5.0  # how long an acquire keeps asking while no admission leader answers (leader TTL 3 s)
+# an ask unanswered this long is asked again (same ticket): a leader SIGKILLed with it never answers, and a queued
+# request waited out its whole wait (12 s) before a successor heard of it
+ASK_EVERY_S = 2.0
 EARLY_REVOCATIONS = 1024  # the latest revocations of leases no request watches (yet), kept for watch()
 
 
@@ -71,17 +74,19 @@ class AdmissionClient:
         """A lease id, or an ApiError: 429 (limits, budget; ``PoolFull`` for a full queue or no room within
         ``wait_s``: 0 asks for room now), 400 (can never fit), 503 (no worker, no admission)."""
         deadline = time.monotonic() + max(wait_s, FAILOVER_S)
+        ticket = uuid.uuid4().hex  # the same in every ask: admission answers a ticket it knows as it stands
         while True:
-            request = LeaseRequest(uuid.uuid4().hex, team, klass, model, prompt_tokens + max_tokens, self.edge_id,
+            request = LeaseRequest(ticket, team, klass, model, prompt_tokens + max_tokens, self.edge_id,
                                    max(0.0, min(wait_s, deadline - time.monotonic())), prompt_tokens, max_tokens)
             try:
                 reply = await self.bus.request(self.bus.subjects.admission_acquire, request, LeaseReply,
-                                               timeout=wait_s + 2.0)
-            except BusError as exc:  # no leader right now (failing over): ask again until the deadline
+                                               timeout=min(wait_s + 2.0, ASK_EVERY_S))
+            except BusError as exc:  # no leader right now, or the one asked died with the request: ask again
                 if time.monotonic() + 0.25 > deadline:
                     raise errors.service_unavailable(f"admission is unavailable: {exc}",
                                                      "admission_unavailable") from exc
-                await asyncio.sleep(0.25)
+                if "no responder" in str(exc):
+                    await asyncio.sleep(0.25)  # failing over: give the election a moment
                 continue
             if isinstance(reply, LeaseGranted):
                 self.ttl_s = reply.expires_in_s

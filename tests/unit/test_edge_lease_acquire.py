@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.edge.admission import AdmissionClient
+from services.edge.admission import ASK_EVERY_S, AdmissionClient
 from shared import errors
+from shared.bus import BusError
 from shared.schema import LeaseGranted, LeaseRejected
 
 
@@ -36,3 +37,28 @@ async def test_a_full_pool_is_not_asked_again():
     with pytest.raises(errors.PoolFull):
         await admission.acquire("t", "interactive", "m", 10, 10, wait_s=0.0)
     assert bus.asked == 1
+
+
+class Lost(Answers):
+    """The first ask is lost (its leader died with it): a timeout; then the replies as given."""
+
+    def __init__(self, *replies) -> None:
+        super().__init__(*replies)
+        self.requests, self.timeouts = [], []
+
+    async def request(self, subject, message, reply_type, timeout):
+        self.requests.append(message)
+        self.timeouts.append(timeout)
+        if len(self.requests) == 1:
+            raise BusError(f"timeout after {timeout}s on {subject}")
+        return await super().request(subject, message, reply_type, timeout)
+
+
+async def test_an_unanswered_ask_is_asked_again_soon_with_the_same_ticket():
+    """A queued request used to wait its whole wait (12 s) for a leader that had died with its ask."""
+    bus = Lost(LeaseGranted("t-1", 10.0))
+    admission = AdmissionClient(bus, "edge-1")  # type: ignore[arg-type]
+    assert await admission.acquire("t", "interactive", "m", 10, 10, wait_s=10.0) == "t-1"
+    first, again = bus.requests
+    assert first.ticket == again.ticket  # the same request, so admission never counts it twice
+    assert max(bus.timeouts) <= ASK_EVERY_S < 10.0
