@@ -100,12 +100,12 @@ class WorkerDirectory:
         await self._follower.stop()
 
     def live(self, model: str | None = None) -> list[WorkerInfo]:
-        """Workers whose heartbeat is fresh (a backstop to the server TTL), optionally for one model."""
+        """Workers whose heartbeat is fresh (a backstop to the server TTL), optionally for one model; when none
+        is, every one still in the bucket: heartbeats that all went stale together are the bucket failing (no
+        leader for seconds after its NATS server was lost), not every worker dying (the TTL removes those)."""
         now = time.monotonic()
-        return [
-            w for wid, w in self.workers.items()
-            if (model is None or w.model == model) and now - self._seen_at[wid] <= 2 * w.heartbeat_ttl_s
-        ]
+        known = [w for w in self.workers.values() if model is None or w.model == model]
+        return [w for w in known if now - self._seen_at[w.worker_id] <= 2 * w.heartbeat_ttl_s] or known
 
     def models(self) -> dict[str, WorkerInfo]:
         """model name -> one live worker serving it (for tokenizer path and context length)."""

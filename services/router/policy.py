@@ -83,14 +83,24 @@ def _key(request: RouteRequest) -> str:
 
 
 def _serving_filters(request: RouteRequest, view: RouteView, roles: tuple[str, ...]) -> list[scoring.Filter]:
-    return [scoring.for_model(request.model), scoring.in_roles(roles), scoring.heartbeat_fresh(view.now),
-            scoring.breaker_allows(view.open_breakers), scoring.not_excluded(request.exclude_worker_ids)]
+    return [scoring.for_model(request.model), scoring.in_roles(roles), scoring.breaker_allows(view.open_breakers),
+            scoring.not_excluded(request.exclude_worker_ids)]
+
+
+def _eligible(request: RouteRequest, view: RouteView, roles: tuple[str, ...],
+              more: tuple[scoring.Filter, ...] = ()) -> list[WorkerInfo]:
+    """The workers that may serve ``request``: those with a fresh heartbeat, or, when none has one, those whose
+    heartbeats went stale together. That is the registry failing, not every worker: its bucket without a leader
+    for seconds after its NATS server was lost (a cluster test saw 10 s of no_capacity with every worker up).
+    A worker that did die fails its attempt, which the edge sends elsewhere."""
+    filters = [*_serving_filters(request, view, roles), *more]
+    fresh = scoring.apply_filters(view.workers, [scoring.heartbeat_fresh(view.now), *filters])
+    return fresh or scoring.apply_filters(view.workers, filters)
 
 
 def _prefillers(request: RouteRequest, view: RouteView, decoder: WorkerInfo) -> list[WorkerInfo]:
     """Prefill workers that may compute this prompt for ``decoder`` (its KV must fit the decoder's)."""
-    filters = _serving_filters(request, view, ("prefill",)) + [scoring.kv_compatible(decoder)]
-    return scoring.apply_filters(view.workers, filters)
+    return _eligible(request, view, ("prefill",), (scoring.kv_compatible(decoder),))
 
 
 def _reject(request: RouteRequest, view: RouteView) -> RouteRejected:
@@ -107,7 +117,7 @@ class KvAwarePolicy:
         self.config = config or KvRoutingConfig()
 
     def route(self, request: RouteRequest, view: RouteView, bound: str | None = None) -> Plan:
-        candidates = scoring.apply_filters(view.workers, _serving_filters(request, view, SERVING_ROLES))
+        candidates = _eligible(request, view, SERVING_ROLES)
         if not candidates:
             return Plan(_reject(request, view), repin_reason="gone" if bound else None)
         block_size = self.index.block_size
@@ -174,7 +184,7 @@ class LeastLoadedPolicy:
         self.min_remote_prefill_tokens = min_remote_prefill_tokens
 
     def route(self, request: RouteRequest, view: RouteView, bound: str | None = None) -> Plan:
-        candidates = scoring.apply_filters(view.workers, _serving_filters(request, view, SERVING_ROLES))
+        candidates = _eligible(request, view, SERVING_ROLES)
         if not candidates:
             return Plan(_reject(request, view))
         costs = {w.worker_id: float(view.loads.num_requests(w.worker_id)) for w in candidates}

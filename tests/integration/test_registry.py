@@ -166,3 +166,23 @@ async def test_a_worker_back_under_its_id_before_its_entry_lapsed_is_seen_as_res
     assert removed == [] and directory.workers["w-again"].started_at == second.started_at
     await new.stop()
     await directory.stop()
+
+
+async def test_when_every_heartbeat_is_stale_at_once_the_workers_in_the_bucket_are_still_served(buses):
+    """The bucket had no leader for seconds after its NATS server was lost: no heartbeat landed, every worker
+    served on, and admission and the edge counted none of them (the cluster test's no_capacity). A stale worker
+    among fresh ones is still left out."""
+    worker_bus, watcher_bus = buses
+    directory = WorkerDirectory(watcher_bus)
+    await directory.start()
+    bucket = await worker_bus.js.key_value(worker_bus.subjects.workers_bucket)
+    from shared import schema
+
+    for worker_id in ("s1", "s2"):
+        await bucket.put(worker_id, schema.encode(_info(worker_id, 1.0)))
+    await eventually(lambda: {"s1", "s2"} <= set(directory.workers), 2)
+    await asyncio.sleep(2.5)  # past 2 x their TTL with no beat: both stale together
+    assert sorted(w.worker_id for w in directory.live("m")) == ["s1", "s2"]
+    await bucket.put("s2", schema.encode(_info("s2", 1.0)))  # s2 beats again: only s1 is stale now
+    await eventually(lambda: [w.worker_id for w in directory.live("m")] == ["s2"], 2)
+    await directory.stop()

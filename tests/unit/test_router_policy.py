@@ -90,6 +90,23 @@ def test_stale_heartbeat_breaker_and_excluded_workers_are_never_chosen():
         assert plan.reply.worker_id == "a"
 
 
+def test_when_every_heartbeat_went_stale_together_the_registry_failed_and_the_workers_still_serve():
+    """The workers bucket had no leader for seconds after its NATS server was SIGKILLed: every worker's heartbeat
+    went stale at once while every worker served. The router answered no_capacity to all (10 s in the cluster
+    test); it now routes among them, still minding breakers and exclusions. One fresh worker is preferred."""
+    def stale(worker_id: str) -> WorkerInfo:
+        return WorkerInfo(worker_id=worker_id, role="both", model="m", engine="sim", block_size=BS,
+                          num_kv_blocks=1000, max_model_len=100_000, tokenizer="", ts=NOW - 60)
+
+    for policy in (setup()[0], LeastLoadedPolicy()):
+        workers = [stale("a"), stale("b"), stale("c")]
+        chosen = {route(policy, workers, request(rid=f"r{i}", exclude=["b"]), open_breakers={"c"}).reply.worker_id
+                  for i in range(20)}
+        assert chosen == {"a"}, policy.name
+        assert {route(policy, [stale("a"), worker("b")], request(rid=f"r{i}")).reply.worker_id
+                for i in range(20)} == {"b"}, policy.name
+
+
 # ------------------------------------------------------------ prefix overlap decides
 def test_a_cached_prefix_wins_over_an_idle_worker():
     policy, workers = setup(worker("a"), worker("b"), worker("c"))
