@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 import yaml
 
-from infermesh.compose_secrets import SERVICES, env_of, init
+from infermesh.deploy_secrets import SERVICES, env_of, init
 from infermesh.up import MeshOptions, start_processes
 from shared.nats_auth import ENV as NATS_ENV
 from shared.replication import ENV as REPLICAS_ENV
@@ -27,8 +27,8 @@ NATS_VARS = set(NATS_ENV.values())  # the bus credentials, read by shared/nats_a
 SHARED_VARS = {REPLICAS_ENV}  # read by shared/ for every service (shared/replication.py)
 
 
-ONE_SHOTS = ("secrets", "provision")  # compose_secrets init / provision: they run once, before the services
-LAUNCHER = ["python", "-m", "infermesh.compose_secrets", "run", "/run/infermesh", "--"]
+ONE_SHOTS = ("secrets", "provision")  # deploy_secrets init / provision: they run once, before the services
+LAUNCHER = ["python", "-m", "infermesh.deploy_secrets", "run", "/run/infermesh", "--"]
 
 
 def _infermesh_services() -> dict[str, dict]:
@@ -104,7 +104,7 @@ def _config_class(module: str) -> type:
 
 @pytest.mark.parametrize("name", sorted(_infermesh_services()))
 def test_every_variable_it_sets_is_one_the_service_reads(name, tmp_path):
-    """Its environment, and what its folder of the secrets volume adds (``compose_secrets init``, run here)."""
+    """Its environment, and what its folder of the secrets volume adds (``deploy_secrets init``, run here)."""
     spec = _infermesh_services()[name]
     fields = {f"INFERMESH_{f.name.upper()}" for f in dataclasses.fields(_config_class(_module(spec)))}
     init(tmp_path)
