@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     made.add_argument("--nats-listen", default="0.0.0.0:4222")
     made.add_argument("--store-dir", default="/data", help="JetStream's store, in the nats container")
     made.add_argument("--database", default="postgres:5432/infermesh", help="host:port/database of the ledger")
+    made.add_argument("--monitor-port", type=int, default=NATS_MONITOR_PORT, help="nats-server's /healthz port")
     k8s = sub.add_parser("k8s", help="print the Kubernetes Secrets of deploy/k8s (kubectl apply -f -)")
     k8s.add_argument("folder", type=Path, help="where the secrets are kept (made once, reused)")
     k8s.add_argument("--namespace", default=os.environ.get("INFERMESH_NAMESPACE", "im"))
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.what == "init":
         key = init(args.folder, args.namespace, args.nats_listen, args.store_dir, args.database,
-                   os.environ.get("INFERMESH_API_KEY", ""))
+                   os.environ.get("INFERMESH_API_KEY", ""), args.monitor_port)
         print(f"infermesh: your API key (shown once; team 'default'): {key}" if key else
               "infermesh: secrets kept from the first start (the API key is in the secrets volume, api-key)",
               flush=True)

@@ -60,7 +60,9 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, namespace: str, name: str, credentials: NatsCredentials | None = None) -> "Bus":
-        """Connect as ``credentials`` (default: the ``INFERMESH_NATS_*`` env vars, see ``shared/nats_auth.py``).
+        """Connect as ``credentials`` (default: the ``INFERMESH_NATS_*`` env vars, see ``shared/nats_auth.py``) to
+        ``url``, or to any of a cluster's servers given comma-separated (the client learns the others from the one
+        it reaches, and moves to them when that one is lost).
 
         An unreachable server is retried forever; credentials or a certificate the server refuses raise
         BusError at once (retrying cannot help). Permission violations later are logged and kept, the
@@ -86,8 +88,10 @@ class Bus:
                 listener()
 
         nc = NatsClient()
+        servers = [u.strip() for u in url.split(",") if u.strip()]  # a cluster's seeds: "nats://a:4222,nats://b:4222"
         connecting = asyncio.ensure_future(nc.connect(
-            url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5,
+            servers if len(servers) > 1 else url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+            connect_timeout=5,
             error_cb=on_error, reconnected_cb=on_reconnected, **credentials.connect_options(url)))
         await asyncio.wait([connecting, refused], return_when=asyncio.FIRST_COMPLETED)
         if not connecting.done():

@@ -76,7 +76,7 @@ class Load:
         if not outcome.stream:
             response = await client.post("/chat/completions", json=self._body(False), headers=headers)
             if response.status_code != 200:
-                outcome.error = f"http_{response.status_code}"
+                outcome.error = _http_error(response.status_code, response.content)
                 return
             data = response.json()
             outcome.request_id = data["id"].partition("-")[2]
@@ -85,8 +85,7 @@ class Load:
             return
         async with client.stream("POST", "/chat/completions", json=self._body(True), headers=headers) as response:
             if response.status_code != 200:
-                await response.aread()
-                outcome.error = f"http_{response.status_code}"
+                outcome.error = _http_error(response.status_code, await response.aread())
                 return
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -102,6 +101,15 @@ class Load:
                     outcome.chunks += 1
             if outcome.usage is None:
                 outcome.error = "no_usage"
+
+
+def _http_error(status: int, body: bytes) -> str:
+    """``http_<status>``, and the error's code when the body is the API's error object (``http_503:no_capacity``)."""
+    try:
+        code = json.loads(body)["error"].get("code")
+    except Exception:
+        code = None
+    return f"http_{status}:{code}" if code else f"http_{status}"
 
 
 async def first_success_after(base_url: str, key: str, model: str, since: float, limit_s: float) -> float | None:
