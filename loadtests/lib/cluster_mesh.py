@@ -94,9 +94,16 @@ class ClusterMesh:
         return int(4 * self.kv_blocks * BLOCK * ADMIT_FRACTION)
 
     async def start(self, timeout_s: float = 120.0) -> None:
-        os.environ[REPLICAS_ENV] = "3"  # provisioning here, and every service (their env is this one's)
         await asyncio.to_thread(self.cluster.start)
-        await provision(self.url(0), NAMESPACE, NatsCredentials())
+        previous = os.environ.get(REPLICAS_ENV)
+        os.environ[REPLICAS_ENV] = "3"  # for provisioning here only (each service is given it in its own env)
+        try:
+            await provision(self.url(0), NAMESPACE, NatsCredentials())
+        finally:
+            if previous is None:
+                del os.environ[REPLICAS_ENV]
+            else:
+                os.environ[REPLICAS_ENV] = previous
         for name, module, server, args in self.replicas:
             env = {"INFERMESH_NATS_URL": self.url(server), "INFERMESH_NAMESPACE": NAMESPACE, REPLICAS_ENV: "3"}
             if module == "services.edge":
