@@ -73,7 +73,8 @@ class AdmissionClient:
                       wait_s: float) -> str:
         """A lease id, or an ApiError: 429 (limits, budget; ``PoolFull`` for a full queue or no room within
         ``wait_s``: 0 asks for room now), 400 (can never fit), 503 (no worker, no admission)."""
-        deadline = time.monotonic() + max(wait_s, FAILOVER_S)
+        # past the wait by one ask: admission's own answer at the end of the wait (queue_timeout) still arrives
+        deadline = time.monotonic() + max(wait_s + ASK_EVERY_S, FAILOVER_S)
         ticket = uuid.uuid4().hex  # the same in every ask: admission answers a ticket it knows as it stands
         while True:
             request = LeaseRequest(ticket, team, klass, model, prompt_tokens + max_tokens, self.edge_id,
