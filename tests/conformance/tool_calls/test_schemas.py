@@ -41,7 +41,8 @@ def _neighbours(name: str, k: int = 2) -> list[dict]:
     return [TOOLS[(i + d) % len(TOOLS)] for d in range(k + 1)]
 
 
-# (glm on vLLM skips this test: justified in conftest.py, its cases run in loadtests/tool_calls.py)
+# Justified skip for glm on vLLM (added in conftest.py): 9 cases of many generations each would double the suite's
+# vLLM time on one core; the same cases run on vLLM in loadtests/tool_calls.py --engine vllm --format all.
 @pytest.mark.parametrize("feature", sorted(FEATURES))
 async def test_schema_features(tool_mesh, feature):
     for name in FEATURES[feature]:
