@@ -4,7 +4,6 @@ image holds, every INFERMESH_ variable it sets is one the service reads, and Pro
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import importlib.resources
 import json
@@ -16,9 +15,9 @@ import pytest
 import yaml
 
 from infermesh.deploy_secrets import SERVICES, env_of, init
-from infermesh.up import MeshOptions, start_processes
 from shared.nats_auth import ENV as NATS_ENV
 from shared.replication import ENV as REPLICAS_ENV
+from tests.deploy_checks import modules_up_starts, variables_read
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -52,17 +51,6 @@ def _secrets_subpath(spec: dict) -> str | None:
     return mounts[0]["volume"]["subpath"] if mounts else None
 
 
-class _Recorder:
-    """Where ``start_processes`` starts its services: the modules it would run (nothing is started)."""
-
-    def __init__(self) -> None:
-        self.modules: set[str] = set()
-        self.metrics_ports: dict[str, int] = {}
-        self.bus_credentials: dict = {}
-
-    def python_service(self, name: str, module: str, args: list[str], env: dict[str, str]) -> None:
-        self.modules.add(module)
-
 
 def test_the_file_follows_the_compose_specification():
     schema = json.loads(importlib.resources.files("check_jsonschema.builtin_schemas.vendor")
@@ -79,10 +67,7 @@ def test_the_schema_check_catches_a_wrong_file():
 
 
 def test_every_service_infermesh_up_starts_is_in_it(tmp_path):
-    recorder = _Recorder()
-    start_processes(recorder, MeshOptions(engine="sim", nats_url="nats://nats:4222", metrics_port_base=-1),  # type: ignore[arg-type]
-                    "/models/x", tmp_path)
-    assert recorder.modules == {_module(spec) for spec in _infermesh_services().values()}
+    assert modules_up_starts(tmp_path) == {_module(spec) for spec in _infermesh_services().values()}
 
 
 def test_every_command_is_a_module_the_image_holds():
@@ -96,17 +81,13 @@ def test_every_command_is_a_module_the_image_holds():
         assert (path / "__main__.py").exists() or path.with_suffix(".py").exists(), f"{name}: no module {module}"
 
 
-def _config_class(module: str) -> type:
-    config = importlib.import_module(f"{module}.config")
-    return next(v for k, v in vars(config).items() if k.endswith("Config") and dataclasses.is_dataclass(v)
-                and v.__module__ == config.__name__)
 
 
 @pytest.mark.parametrize("name", sorted(_infermesh_services()))
 def test_every_variable_it_sets_is_one_the_service_reads(name, tmp_path):
     """Its environment, and what its folder of the secrets volume adds (``deploy_secrets init``, run here)."""
     spec = _infermesh_services()[name]
-    fields = {f"INFERMESH_{f.name.upper()}" for f in dataclasses.fields(_config_class(_module(spec)))}
+    fields = variables_read(_module(spec))
     init(tmp_path)
     given = env_of(tmp_path / _secrets_subpath(spec))
     assert given["INFERMESH_NATS_USER"] == SERVICES[name].value  # its own role on the bus

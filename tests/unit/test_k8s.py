@@ -7,8 +7,6 @@ with the users `infermesh.deploy_secrets k8s` makes."""
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
 import re
 import shutil
 import subprocess
@@ -21,10 +19,10 @@ import yaml
 
 from infermesh.deploy_secrets import k8s_secrets
 from infermesh.processes import nats_server_binary
-from infermesh.up import MeshOptions, start_processes
 from shared.config import load_config
 from shared.nats_auth import ENV as NATS_ENV
 from shared.replication import ENV as REPLICAS_ENV, replicas_for_cluster
+from tests.deploy_checks import config_class, modules_up_starts, variables_read
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -65,10 +63,6 @@ def _module(command: list[str]) -> tuple[str, list[str]]:
     return command[2], command[3:]
 
 
-def _config_class(module: str) -> type:
-    config = importlib.import_module(f"{module}.config")
-    return next(v for k, v in vars(config).items() if k.endswith("Config") and dataclasses.is_dataclass(v)
-                and v.__module__ == config.__name__)
 
 
 @cache
@@ -92,23 +86,11 @@ def test_the_schema_check_catches_a_wrong_object():
         kubernetes_validate.validate(wrong, K8S_VERSION, strict=True)
 
 
-class _Recorder:
-    def __init__(self) -> None:
-        self.modules: set[str] = set()
-        self.metrics_ports: dict[str, int] = {}
-        self.bus_credentials: dict = {}
-
-    def python_service(self, name: str, module: str, args: list[str], env: dict[str, str]) -> None:
-        self.modules.add(module)
-
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_service_infermesh_up_starts_runs(overlay, tmp_path):
-    recorder = _Recorder()
-    start_processes(recorder, MeshOptions(engine="sim", nats_url="nats://nats:4222", metrics_port_base=-1),  # type: ignore[arg-type]
-                    "/models/x", tmp_path)
     running = {_module(c["command"])[0] for _, c in infermesh_containers(overlay) if c["name"] != "provision"}
-    assert running == recorder.modules
+    assert running == modules_up_starts(tmp_path)
 
 
 def test_the_gpu_fleet_runs_prefill_and_decode_pools_on_gpus():
@@ -118,7 +100,7 @@ def test_the_gpu_fleet_runs_prefill_and_decode_pools_on_gpus():
     for name, deployment in pools.items():
         (container,) = deployment["spec"]["template"]["spec"]["containers"]
         _, args = _module(container["command"])
-        config = load_config(_config_class("services.worker"), argv=args, env={})
+        config = load_config(config_class("services.worker"), argv=args, env={})
         assert (config.engine, config.role, config.kv_connector) == ("vllm", name.split("-")[1], "nixl")
         assert config.kv_buffer_device == "cuda" and config.kv_cache_dtype == "nvfp4" and not config.enforce_eager
         assert container["resources"]["limits"]["nvidia.com/gpu"] == config.data_parallel_size
@@ -135,7 +117,7 @@ def test_every_command_is_a_module_its_image_holds_and_every_flag_one_it_parses(
         path = ROOT / module.replace(".", "/")
         assert (path / "__main__.py").exists() or path.with_suffix(".py").exists(), name
         if module.startswith("services."):
-            load_config(_config_class(module), argv=args, env={})  # an unknown flag exits
+            load_config(config_class(module), argv=args, env={})  # an unknown flag exits
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -151,7 +133,7 @@ def test_every_variable_is_one_the_service_reads(overlay):
                 given |= set(secrets()[source["secretRef"]["name"]])
         if not module.startswith("services."):
             continue
-        fields = {f"INFERMESH_{f.name.upper()}" for f in dataclasses.fields(_config_class(module))}
+        fields = variables_read(module)
         unknown = given - fields - READ_ELSEWHERE
         assert not unknown, f"{name} is given {sorted(unknown)}, which {module} does not read"
 
