@@ -31,8 +31,10 @@ from services.edge.keys import Caller
 from services.edge.mesh import EdgeMesh, RouteHints
 from services.edge.prep import Peek, Prepared, PrepJob, PrepPool, peek
 from services.edge.protocol import MAX_ID_LENGTH
+from services.edge.shapes import Shape
+from services.edge.shapes.chat import ChatShape
 from services.edge.tokenizer import ModelTokenizer
-from services.edge.tools import ContentDelta, ToolCallParser, ToolLimits, make_parser
+from services.edge.tools import ToolCallParser, ToolLimits, make_parser
 from shared import errors
 from shared.metrics import GenAiServerMetrics
 from shared.schema import BillingContext, LeaseRelease, UsageEvent
@@ -40,19 +42,7 @@ from shared.telemetry import sampled_trace_id
 
 log = logging.getLogger("infermesh.edge")
 _json = msgspec.json.Encoder()
-
-
-def _usage(done: Usage) -> dict[str, Any]:
-    return {
-        "prompt_tokens": done.prompt_tokens,
-        "completion_tokens": done.completion_tokens,
-        "total_tokens": done.prompt_tokens + done.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
-    }
-
-
-def _sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + _json.encode(payload) + b"\n\n"
+ShapeFor = Callable[[str], Shape]  # a request id -> the shape of its response
 
 
 class EdgeApi:
@@ -93,19 +83,32 @@ class EdgeApi:
     # ------------------------------------------------------------ shared flow
     async def _handle(self, request: HttpRequest, kind: str) -> Reply:
         """Peek at the model, prepare the request (inline or in a worker process: prep.py), serve it."""
+        prepared, tokenizer = await self.prepare(request, kind)
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        parser = self.tool_parser(prepared)
+        return await self.serve(request, kind, prepared, tokenizer, lambda request_id: ChatShape(
+            kind, f"{prefix}-{request_id}", prepared.model, parser(request_id[:16]) if parser else None,
+            prepared.include_usage))
+
+    async def prepare(self, request: HttpRequest, kind: str, context: bytes = b"") -> tuple[Prepared, ModelTokenizer]:
+        """``request``'s body of endpoint ``kind`` as a request ready to route (``context``: what prep.py
+        prepends to it, e.g. a stored conversation), and its model's tokenizer; ApiError when it is not valid."""
         seen = peek(request.body)
         if seen is None:  # not even a model: decoding the body says what is wrong with it
             await self.prep.run(PrepJob(kind, request.body, None), None)  # type: ignore[arg-type]
             raise errors.invalid_request("The request body could not be read.")
         info, tokenizer = await self._model(seen.model)
-        prepared = await self.prep.run(self._job(kind, request.body, seen, info), tokenizer, seen.schema_key())
-        tools, fmt = prepared.tools, self.config.tool_format(prepared.model)
-        parser = (lambda prefix: make_parser(fmt, tools.tools, prefix)) if tools else None
-        return await self._serve(request, kind, prepared, tokenizer, parser)
+        return await self.prep.run(self._job(kind, request.body, seen, info, context), tokenizer,
+                                   seen.schema_key()), tokenizer
 
-    def _job(self, kind: str, body: bytes, seen: Peek, info: Any) -> PrepJob:
+    def tool_parser(self, prepared: Prepared) -> Callable[[str], ToolCallParser] | None:
+        """What reads tool calls out of the model's text (given a prefix for call ids), or None: no tools."""
+        tools, fmt = prepared.tools, self.config.tool_format(prepared.model)
+        return (lambda prefix: make_parser(fmt, tools.tools, prefix)) if tools else None
+
+    def _job(self, kind: str, body: bytes, seen: Peek, info: Any, context: bytes = b"") -> PrepJob:
         return PrepJob(kind, body, info.tokenizer, info.max_model_len, self.config.tool_format(seen.model),  # type: ignore[arg-type]
-                       self.config.tool_close_within, self.limits)
+                       self.config.tool_close_within, self.limits, context)
 
     async def _model(self, model: str) -> tuple[Any, ModelTokenizer]:
         info = self.mesh.model_info(model)
@@ -113,15 +116,13 @@ class EdgeApi:
             raise errors.model_not_found(model)
         return info, await self.mesh.tokenizer(info)
 
-    async def _serve(self, request: HttpRequest, kind: str, prepared: Prepared, tokenizer: ModelTokenizer,
-                     parser: Callable[[str], ToolCallParser] | None = None) -> Reply:
+    async def serve(self, request: HttpRequest, kind: str, prepared: Prepared, tokenizer: ModelTokenizer,
+                    shape_for: ShapeFor) -> Reply:
+        """Admit, route and run ``prepared``; its response (streamed or whole) in the shape ``shape_for`` makes."""
         model, stream, prompt_ids, params = prepared.model, prepared.stream, prepared.prompt_ids, prepared.params
         arrived = time.time()
         caller: Caller = request.caller
-        include_usage = prepared.include_usage
-        prefix = "chatcmpl" if kind == "chat" else "cmpl"
         request_id = request.request_id or uuid.uuid4().hex
-        response_id = f"{prefix}-{request_id}"
         hints = RouteHints(self._session_id(request, prepared), prepared.cache_salt)
         span = tracing.start_request_span(kind, request.path, request.headers, request_id, model, len(prompt_ids),
                                           stream, caller.team, hints.session_id)
@@ -165,10 +166,10 @@ class EdgeApi:
         except BaseException:
             span.end()
             raise
-        shape = _Shape(kind, response_id, model, parser(request_id[:16]) if parser else None)
+        shape = shape_for(request_id)
         headers = _trace_headers(request_id, span)
         if stream:  # where the first token came from (a migration may move the rest elsewhere)
-            return SseReply(self._sse_body(first, events, shape, include_usage, span),
+            return SseReply(self._sse_body(first, events, shape, span),
                             {"x-infermesh-deployment": run.deployment or self.mesh.local.name, **headers})
         try:
             reply = await self._complete(first, events, shape, span)
@@ -251,14 +252,17 @@ class EdgeApi:
         return int(value)
 
     def _session_id(self, request: HttpRequest, body: Prepared) -> str | None:
-        """The session the request belongs to: ``X-Session-Id``, else ``user`` when so configured."""
-        session = request.headers.get("x-session-id") or (body.user if self.config.session_from_user else None)
+        """The session the request belongs to: ``X-Session-Id`` (or Claude Code's ``X-Claude-Code-Session-Id``),
+        else ``user`` when so configured."""
+        headers = request.headers
+        session = (headers.get("x-session-id") or headers.get("x-claude-code-session-id")
+                   or (body.user if self.config.session_from_user else None))
         if session is not None and len(session) > MAX_ID_LENGTH:
             raise errors.invalid_request(f"The session id is longer than {MAX_ID_LENGTH} characters.",
                                          "X-Session-Id")
         return session or None
 
-    async def _complete(self, first: str | Usage, events: AsyncIterator[str | Usage], shape: "_Shape",
+    async def _complete(self, first: str | Usage, events: AsyncIterator[str | Usage], shape: Shape,
                         span: trace.Span) -> JsonReply:
         parts: list[str] = []
         item = first
@@ -274,37 +278,34 @@ class EdgeApi:
         finally:
             await events.aclose()
             span.end()
-        return JsonReply(200, _json.encode(shape.full(parts, item)),
+        return JsonReply(200, _json.encode(await shape.full(parts, item)),
                          {"x-infermesh-deployment": item.deployment or self.mesh.local.name})
 
-    async def _sse_body(self, first: str | Usage, events: AsyncIterator[str | Usage], shape: "_Shape",
-                        include_usage: bool, span: trace.Span) -> AsyncIterator[bytes]:
-        """SSE events; the opening chunk rides with the first text and the closing ones with [DONE] (fewer writes)."""
-        head = _sse(shape.chunk(None, None, include_usage, first=True)) if shape.kind == "chat" else b""
-        tail = b""
+    async def _sse_body(self, first: str | Usage, events: AsyncIterator[str | Usage], shape: Shape,
+                        span: trace.Span) -> AsyncIterator[bytes]:
+        """SSE events; the opening ones ride with the first text and the closing ones together (fewer writes)."""
+        head, tail = shape.opening(), b""
         try:
             item = first
             while not isinstance(item, Usage):
-                out = shape.text_chunks(item, include_usage)
+                out = shape.text(item)
                 if out:
                     yield head + out
                     head = b""
                 item = await events.__anext__()
             _record(span, shape.id, item)
-            tail = shape.closing_chunks(item.finish_reason, include_usage)
-            if include_usage:
-                tail += _sse(shape.usage_chunk(item))
+            tail = await shape.closing(item)
         except StreamBroken as exc:
             failed = errors.engine_failed(f"The engine failed mid-generation: {exc}")
             _failed(span, failed, sent=200)
-            tail = _sse(failed.body())
+            tail = shape.failed(failed)
         except errors.ApiError as exc:  # preempted mid-stream (a batch-class stream whose lease was revoked)
             _failed(span, exc, sent=200)
-            tail = _sse(exc.body())
+            tail = shape.failed(exc)
         finally:
             await events.aclose()
             span.end()
-        yield head + tail + b"data: [DONE]\n\n"
+        yield head + tail
 
 
 async def _until_revoked(events: AsyncIterator[str | Usage], revoked: "asyncio.Future[None]", bill: _Bill,
@@ -414,81 +415,3 @@ class _Timing:
         parts = [("admission", admitted - self.arrived), ("routing", self.route_s),
                  ("first-token", (self.first_token or admitted) - self.arrived)]
         return ", ".join(f"{name};dur={1000 * seconds:.1f}" for name, seconds in parts)
-
-
-class _Shape:
-    """The JSON shapes of one response: chat.completion(.chunk) or text_completion.
-
-    With tools, the model's text goes through the tool-call parser, the same way streamed or not: a
-    streamed response sends its deltas (content, or a tool call's id + name, then arguments pieces),
-    a whole one their concatenation, so the two always agree (truncated calls included)."""
-
-    def __init__(self, kind: str, response_id: str, model: str, parser: ToolCallParser | None = None) -> None:
-        self.kind = kind
-        self.id = response_id
-        self.model = model
-        self.created = int(time.time())
-        self.parser = parser
-
-    def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def full(self, parts: list[str], done: Usage) -> dict[str, Any]:
-        text = "".join(parts)
-        if self.kind == "chat":
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            finish_reason = done.finish_reason
-            if self.parser is not None:
-                for part in parts:  # the same deltas a stream would have fed
-                    self.parser.feed(part)
-                _, result = self.parser.finish(done.finish_reason)
-                message = {"role": "assistant", "content": result.content}
-                if result.tool_calls:
-                    message["tool_calls"] = result.tool_calls
-                finish_reason = result.finish_reason
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
-            return {**self._head("chat.completion"), "choices": [choice], "usage": _usage(done)}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason}
-        return {**self._head("text_completion"), "choices": [choice], "usage": _usage(done)}
-
-    def chunk(self, text: str | None, finish_reason: str | None, include_usage: bool,
-              first: bool = False) -> dict[str, Any]:
-        if self.kind == "chat":
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
-            if text is not None:
-                delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            payload = {**self._head("chat.completion.chunk"), "choices": [choice]}
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-            payload = {**self._head("text_completion"), "choices": [choice]}
-        if include_usage:
-            payload["usage"] = None
-        return payload
-
-    def text_chunks(self, text: str, include_usage: bool) -> bytes:
-        """SSE events for a text delta: as it is, or what the tool-call parser makes of it (maybe nothing yet)."""
-        if self.parser is None:
-            return _sse(self.chunk(text, None, include_usage))
-        return self._delta_events(self.parser.feed(text), include_usage)
-
-    def closing_chunks(self, finish_reason: str, include_usage: bool) -> bytes:
-        if self.parser is None:
-            return _sse(self.chunk(None, finish_reason, include_usage))
-        deltas, result = self.parser.finish(finish_reason)
-        return self._delta_events(deltas, include_usage) + _sse(self.chunk(None, result.finish_reason, include_usage))
-
-    def _delta_events(self, deltas: list, include_usage: bool) -> bytes:
-        out = []
-        for delta in deltas:
-            if isinstance(delta, ContentDelta):
-                out.append(_sse(self.chunk(delta.text, None, include_usage)))
-            else:
-                chunk = self.chunk(None, None, include_usage)
-                chunk["choices"][0]["delta"] = {"tool_calls": [delta.to_openai()]}
-                out.append(_sse(chunk))
-        return b"".join(out)
-
-    def usage_chunk(self, done: Usage) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": _usage(done)}

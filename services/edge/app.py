@@ -15,6 +15,7 @@ from services.edge import http
 from services.edge.api import EdgeApi
 from services.edge.batches import batch_routes
 from services.edge.files import FilesApi
+from services.edge.messages_api import MessagesApi
 from shared import errors
 
 log = logging.getLogger("infermesh.edge")
@@ -46,17 +47,20 @@ def create_app(api: EdgeApi) -> Litestar:
     def list_models(request: Request) -> dict[str, Any]:
         return api.models(request.headers.get("authorization"))
 
-    # The two hot endpoints are raw ASGI inside Litestar's router (see http.py for why): the key is
+    # The generating endpoints are raw ASGI inside Litestar's router (see http.py for why): the key is
     # checked before their body is read, which is read within the limits.
     limits = http.BodyLimits(api.config.max_body_bytes, api.config.body_timeout_s)
 
+    def bearer(headers: dict[str, str]) -> Any:
+        return api.authenticate(headers.get("authorization"))
+
     @asgi("/v1/chat/completions", copy_scope=False)
     async def chat_completions(scope: Scope, receive: Receive, send: Send) -> None:
-        await http.serve(scope, receive, send, api.chat_completions, limits, api.authenticate)  # type: ignore[arg-type]
+        await http.serve(scope, receive, send, api.chat_completions, limits, bearer)  # type: ignore[arg-type]
 
     @asgi("/v1/completions", copy_scope=False)
     async def completions(scope: Scope, receive: Receive, send: Send) -> None:
-        await http.serve(scope, receive, send, api.completions, limits, api.authenticate)  # type: ignore[arg-type]
+        await http.serve(scope, receive, send, api.completions, limits, bearer)  # type: ignore[arg-type]
 
     @get("/health", sync_to_thread=False)
     def health() -> dict[str, str]:
@@ -74,6 +78,7 @@ def create_app(api: EdgeApi) -> Litestar:
 
     return Litestar(
         route_handlers=[list_models, chat_completions, completions, health, ready, *files.route_handlers(),
+                        *MessagesApi(api).route_handlers(),
                         *batch_routes(api.mesh.bus, api.authenticate)],
         exception_handlers={errors.ApiError: _on_api_error, HTTPException: _on_http_error, Exception: _on_unexpected},
         openapi_config=None,

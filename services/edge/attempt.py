@@ -82,6 +82,7 @@ class Usage:
     migrations: int = 0
     migration_prefill_tokens: int = 0
     deployment: str = ""  # where the first token came from (x-infermesh-deployment)
+    stop_sequence: str = ""  # the stop string that ended the text ("" when none did)
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,7 +385,8 @@ class RequestRun:
     def _finish(self, reason: str, end: StreamEnd | None) -> list[Action]:
         a = self.attempt
         cached = _cached(a.prefill_cached, end.num_cached_tokens if end else 0, len(self.prompt_token_ids))
-        usage = self._settle(self._usage("finished", reason, cached))
+        usage = self._settle(dataclasses.replace(self._usage("finished", reason, cached),
+                                                 stop_sequence=self.stops.matched))
         return [Settle(usage), Finish(usage)]
 
     def _break(self, code: str, why: str) -> list[Action]:

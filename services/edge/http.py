@@ -1,4 +1,4 @@
-"""Thin ASGI plumbing for the two hot endpoints (chat/completions, completions).
+"""Thin ASGI plumbing for the generating endpoints (chat/completions, completions, messages, responses).
 
 They are mounted as Litestar ASGI route handlers: Litestar still routes, but the
 request/response objects, signature parsing and the anyio task group of its
@@ -65,6 +65,12 @@ class SseReply:
 
 
 Reply = JsonReply | SseReply
+Authenticate = Callable[[dict[str, str]], Any]  # a request's headers -> its caller, or ApiError (401)
+ErrorBody = Callable[[errors.ApiError], tuple[int, bytes]]  # an error -> its status and body in the API's shape
+
+
+def openai_error(exc: errors.ApiError) -> tuple[int, bytes]:
+    return exc.status, exc.json()
 
 
 class ClientGone(Exception):
@@ -130,13 +136,13 @@ async def body_chunks(receive: Callable[[], Awaitable[dict[str, Any]]], max_byte
 
 
 async def read_request(scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]],
-                       limits: BodyLimits, authenticate: Callable[[str | None], Any]) -> HttpRequest:
+                       limits: BodyLimits, authenticate: Authenticate) -> HttpRequest:
     """Method, caller and declared length first, then the body: a rejected request's body is never read."""
     headers = _headers(scope)
     if scope["method"] != "POST":
         raise errors.ApiError(405, f"Method {scope['method']} not allowed; use POST.", "invalid_request_error",
                               None, "method_not_allowed")
-    caller = authenticate(headers.get("authorization"))
+    caller = authenticate(headers)
     _check_length(headers, limits)
     return HttpRequest(scope["method"], scope["path"], headers, await read_body(receive, limits), caller)
 
@@ -161,21 +167,23 @@ async def _send(send: Callable[[dict[str, Any]], Awaitable[None]], reply: Reply)
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def error_reply(exc: errors.ApiError, close: bool = False, request_id: str = "") -> JsonReply:
+def error_reply(exc: errors.ApiError, close: bool = False, request_id: str = "",
+                error_body: ErrorBody = openai_error) -> JsonReply:
     """The error as a reply; ``close``: the body may be unread, so the connection must not be reused. Every
     reply names its request (``x-request-id``, as OpenAI's do): the request's own, else a new one."""
     headers = {"x-request-id": request_id or uuid.uuid4().hex, **exc.headers}
     if close:
         headers["Connection"] = "close"
-    return JsonReply(exc.status, exc.json(), headers)
+    status, body = error_body(exc)
+    return JsonReply(status, body, headers)
 
 
 async def serve(scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]],
                 send: Callable[[dict[str, Any]], Awaitable[None]],
                 handler: Callable[[HttpRequest], Awaitable[Reply]],
-                limits: BodyLimits, authenticate: Callable[[str | None], Any]) -> None:
+                limits: BodyLimits, authenticate: Authenticate, error_body: ErrorBody = openai_error) -> None:
     """Read the request (bounded, see the table above), run ``handler``, send its reply; a client
-    disconnect cancels all of it."""
+    disconnect cancels all of it. Errors are sent as ``error_body`` shapes them (OpenAI's by default)."""
     task = asyncio.current_task()
     assert task is not None
     try:
@@ -183,7 +191,7 @@ async def serve(scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str,
     except ClientGone:
         return
     except errors.ApiError as exc:
-        await _send(send, error_reply(exc, close=True))
+        await _send(send, error_reply(exc, close=True, error_body=error_body))
         return
     request.request_id = request.request_id or uuid.uuid4().hex  # named now: its errors carry it too
     gone = asyncio.Event()
@@ -206,7 +214,7 @@ async def serve(scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str,
         try:
             reply = await handler(request)
         except errors.ApiError as exc:
-            reply = error_reply(exc, request_id=request.request_id)
+            reply = error_reply(exc, request_id=request.request_id, error_body=error_body)
         await _send(tracked_send, reply)
     except asyncio.CancelledError:
         if not gone.is_set():
@@ -218,6 +226,6 @@ async def serve(scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str,
             return  # mid-stream: nothing valid can follow; the server closes the connection
         await _send(send, error_reply(errors.ApiError(
             500, "The server had an error while processing your request.", "server_error", None, "internal_error"),
-            request_id=request.request_id))
+            request_id=request.request_id, error_body=error_body))
     finally:
         watcher.cancel()

@@ -33,15 +33,17 @@ from collections import OrderedDict
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import msgspec
 
+from services.edge import messages_body
 from services.edge.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     InvalidRequest,
     Sampling,
+    Translated,
     parse_body,
     validate_chat,
     validate_completion,
@@ -65,11 +67,13 @@ class Peek(msgspec.Struct):
     model: str
     tools: msgspec.Raw = _RAW_NULL
     response_format: msgspec.Raw = _RAW_NULL
+    text: msgspec.Raw = _RAW_NULL  # the Responses API's ``text.format``
 
     def schema_key(self) -> bytes | None:
-        if self.tools == _RAW_NULL and self.response_format == _RAW_NULL:
+        if self.tools == _RAW_NULL and self.response_format == _RAW_NULL and self.text == _RAW_NULL:
             return None
-        return hashlib.sha256(bytes(self.tools) + b"\0" + bytes(self.response_format)).digest()
+        return hashlib.sha256(bytes(self.tools) + b"\0" + bytes(self.response_format) + b"\0"
+                              + bytes(self.text)).digest()
 
 
 def peek(body: bytes) -> Peek | None:
@@ -80,17 +84,27 @@ def peek(body: bytes) -> Peek | None:
         return None
 
 
+PrepKind = Literal["chat", "text", "messages", "messages_count", "responses"]
+
+
 @dataclass(frozen=True, slots=True)
 class PrepJob:
     """Everything preparing one request needs; picklable (it may cross into a worker process)."""
 
-    kind: Literal["chat", "text"]
+    kind: PrepKind
     body: bytes
     tokenizer_path: str | None  # None: the model is not known (its body's error is what comes back)
     max_model_len: int = 0
     tool_format: str = "hermes"
     close_within: int = 0
     limits: ToolLimits = ToolLimits()
+    context: bytes = b""  # what the endpoint's translation prepends to the body (a stored conversation)
+
+
+# kind -> how its bodies (and a stored conversation, ``PrepJob.context``) become chat requests
+TRANSLATIONS: dict[str, Callable[[bytes, bytes], Translated]] = {
+    "messages": messages_body.translate, "messages_count": messages_body.translate_count,
+}
 
 
 @dataclass(slots=True)
@@ -107,6 +121,7 @@ class Prepared:
     stop: list[str]
     tools: ToolSpec | None  # what the tool-call parser reads the output for; None: no parsing
     checked_schemas: tuple[bytes, ...] = ()  # schema keys that passed their meta-schema check
+    extra: Any = None  # what the endpoint's translation keeps for its response's shape (picklable)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +163,11 @@ def engine_sampling(sampling: Sampling, num_prompt: int, max_len: int, stop_toke
 def prepare(job: PrepJob, tokenizer: Any) -> Prepared:
     """The request ``job.body`` asks for; raises ApiError (400 naming the param, 400 context length, ...)."""
     try:
-        return _prepare_chat(job, tokenizer) if job.kind == "chat" else _prepare_text(job, tokenizer)
+        if job.kind == "text":
+            return _prepare_text(job, tokenizer)
+        if job.kind == "chat":
+            return prepare_chat(parse_body(job.body, ChatCompletionRequest), job, tokenizer)
+        return _prepare_translated(TRANSLATIONS[job.kind](job.body, job.context), job, tokenizer)
     except InvalidRequest as exc:
         raise errors.invalid_request(exc.message, exc.param, exc.code) from None
     except RecursionError:  # justified: every field is depth-checked; this is the last line for what is not
@@ -157,8 +176,8 @@ def prepare(job: PrepJob, tokenizer: Any) -> Prepared:
         raise errors.invalid_request("A number in the request is out of range.", None, "number_out_of_range") from None
 
 
-def _prepare_chat(job: PrepJob, tokenizer: Any) -> Prepared:
-    body = parse_body(job.body, ChatCompletionRequest)
+def prepare_chat(body: ChatCompletionRequest, job: PrepJob, tokenizer: Any) -> Prepared:
+    """A chat request (``/v1/chat/completions``' own, or what another endpoint's body translates into)."""
     messages, sampling, output = validate_chat(body, job.limits)
     assert tokenizer is not None, "a body whose model could not be peeked cannot be valid"
     tools = output.tools if output.tools is not None and output.tools.choice != "none" else None
@@ -174,6 +193,16 @@ def _prepare_chat(job: PrepJob, tokenizer: Any) -> Prepared:
     if response_format is not None and response_format.schema is not None:
         checked += (schema_key(response_format.schema),)
     return _prepared(body, prompt_ids, params, sampling, tools, checked)
+
+
+def _prepare_translated(translated: Translated, job: PrepJob, tokenizer: Any) -> Prepared:
+    try:
+        prepared = prepare_chat(translated.body, job, tokenizer)
+    except (InvalidRequest, errors.ApiError) as exc:  # named as the endpoint names it
+        exc.param = exc.param and translated.param(exc.param)
+        raise
+    prepared.extra = translated.extra
+    return prepared
 
 
 def _prepare_text(job: PrepJob, tokenizer: Any) -> Prepared:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import io
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -137,6 +137,19 @@ class Sampling:
 
 _PATH = re.compile(r"at `\$(.*?)`")
 _MISSING = re.compile(r"missing required field `(\w+)`")
+
+
+def _same(param: str) -> str:
+    return param
+
+
+@dataclass(frozen=True, slots=True)
+class Translated:
+    """Another endpoint's body (Anthropic Messages, OpenAI Responses) as the chat request it asks for."""
+
+    body: ChatCompletionRequest
+    extra: Any = None  # what its response's shape keeps (``Prepared.extra``; picklable)
+    param: Callable[[str], str] = _same  # a chat request's param -> the endpoint's name for it (errors name it)
 
 
 def _param_of(error: msgspec.ValidationError) -> str | None:

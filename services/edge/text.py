@@ -61,6 +61,7 @@ class StopStringMatcher:
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
         self._pending = ""
         self.stopped = False
+        self.matched = ""  # the stop string that was hit (Anthropic's stop_sequence)
 
     def feed(self, text: str) -> tuple[str, bool]:
         if self.stopped:
@@ -68,11 +69,12 @@ class StopStringMatcher:
         if not self._stop:
             return text, False
         buffer = self._pending + text
-        hits = [i for i in (buffer.find(s) for s in self._stop) if i >= 0]
+        hits = [(i, s) for i, s in ((buffer.find(s), s) for s in self._stop) if i >= 0]
         if hits:
+            at, self.matched = min(hits, key=lambda hit: hit[0])
             self.stopped = True
             self._pending = ""
-            return buffer[: min(hits)], True
+            return buffer[:at], True
         cut = max(0, len(buffer) - self._holdback)
         self._pending = buffer[cut:]
         return buffer[:cut], False

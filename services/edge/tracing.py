@@ -20,7 +20,8 @@ from shared.telemetry import tracer, tracing_enabled
 T = TypeVar("T")
 _tracer = tracer("infermesh.edge")
 PROVIDER = "infermesh"
-OPERATIONS = {"chat": "chat", "text": "text_completion"}  # gen_ai.operation.name per endpoint kind
+# gen_ai.operation.name per endpoint kind
+OPERATIONS = {"chat": "chat", "text": "text_completion", "messages": "chat", "responses": "chat"}
 
 
 def start_request_span(kind: str, path: str, headers: Any, request_id: str, model: str, prompt_tokens: int,

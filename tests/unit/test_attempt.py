@@ -438,7 +438,8 @@ def test_before_the_first_token_the_error_is_an_api_error():
 def test_a_stop_string_bills_the_tokens_the_client_was_sent_and_the_end_messages_hits():
     run = make_run(stop=["lo"])
     drive(run, routed("w1"), tok("hello"), tok("xx"), end("abort", cached=9, output=8))
-    assert run.usage == Usage("finished", "stop", 0, "w1", "", 4, 4, 5, 1000.0)  # cached capped at the prompt
+    assert run.usage == Usage("finished", "stop", 0, "w1", "", 4, 4, 5, 1000.0,  # cached capped at the prompt
+                              stop_sequence="lo")  # which stop string ended it (Anthropic's stop_sequence)
 
     run = make_run(stop=["lo"])  # the drain ended with an error: a remote prefill's hits are still known
     drive(run, routed("w1", "p1"), end("remote", "r-prefill", cached=3, kv=KV), tok("hello"), err("timeout"))

@@ -1,0 +1,274 @@
+"""Anthropic Messages request bodies (``/v1/messages``, ``/v1/messages/count_tokens``) as chat requests.
+
+A Messages body becomes the ``ChatCompletionRequest`` it asks for, so it goes through the same checks, chat
+template, tool grammar and tool-call parser as chat; errors name the Messages body's own params.
+
+- ``system``: a string or text blocks, the first message; ``messages``: ``user`` / ``assistant`` turns whose
+  content is a string or blocks: ``text``; ``tool_use`` (assistant: a tool call, its ``input`` the arguments);
+  ``tool_result`` (user: a ``tool`` message answering the call ``tool_use_id``); ``thinking`` and
+  ``redacted_thinking`` (sent back by clients: accepted and dropped, never forwarded as text); ``image`` and
+  ``document`` are refused (the models served are text-only).
+- ``tools`` (``name`` / ``description`` / ``input_schema``; Anthropic's server tools are refused),
+  ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none`` (``disable_parallel_tool_use``), ``stop_sequences``,
+  ``max_tokens`` (required), ``temperature``, ``top_p``, ``metadata.user_id`` (the chat request's ``user``).
+- Accepted and changing nothing: ``thinking`` (the models here do not think), ``service_tier``,
+  ``cache_control`` on blocks (the prefix cache is automatic), ``anthropic-version`` / ``anthropic-beta``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from services.edge.protocol import ChatCompletionRequest, ChatMessage, InvalidRequest, Translated, parse_body
+
+Temperature = Annotated[float, Meta(ge=0.0, le=1.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+MaxTokens = Annotated[int, Meta(ge=1, le=2**31 - 1)]
+MAX_STOP_SEQUENCES = 4  # what the chat path's stop matcher takes
+
+
+class _Block(Struct, tag_field="type", kw_only=True):
+    cache_control: dict[str, Any] | None = None
+
+
+class TextBlock(_Block, tag="text"):
+    text: str
+    citations: Any = None
+
+
+class ImageBlock(_Block, tag="image"):
+    source: Any = None
+
+
+class DocumentBlock(_Block, tag="document"):
+    source: Any = None
+
+
+class ToolUseBlock(_Block, tag="tool_use"):
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Block, tag="tool_result"):
+    tool_use_id: str
+    content: str | list[TextBlock | ImageBlock | DocumentBlock] = ""
+    is_error: bool = False
+
+
+class ThinkingBlock(_Block, tag="thinking"):
+    thinking: str = ""
+    signature: str = ""
+
+
+class RedactedThinkingBlock(_Block, tag="redacted_thinking"):
+    data: str = ""
+
+
+Block = TextBlock | ImageBlock | DocumentBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+
+
+class Message(Struct):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Metadata(Struct):
+    user_id: str | None = None
+
+
+class _Body(Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str
+    messages: list[Message]
+    system: str | list[TextBlock] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+
+
+class CountTokensRequest(_Body, kw_only=True):
+    pass
+
+
+class MessagesRequest(_Body, kw_only=True):
+    max_tokens: MaxTokens
+    stream: bool = False
+    stop_sequences: list[str] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: int | None = None
+    metadata: Metadata | None = None
+    service_tier: str | None = None
+
+
+def translate(body: bytes, context: bytes = b"") -> Translated:
+    """A ``/v1/messages`` body as a chat request."""
+    req = parse_body(body, MessagesRequest)
+    if req.top_k is not None:
+        raise InvalidRequest("top_k is not supported.", "top_k")
+    stop = list(req.stop_sequences or [])
+    if len(stop) > MAX_STOP_SEQUENCES:
+        raise InvalidRequest(f"At most {MAX_STOP_SEQUENCES} stop_sequences are supported.", "stop_sequences")
+    messages, origins = _messages(req)
+    tools, choice, parallel = _tools(req)
+    chat = ChatCompletionRequest(
+        model=req.model, messages=messages, max_tokens=req.max_tokens, stream=req.stream,
+        temperature=req.temperature, top_p=req.top_p, stop=stop or None, tools=tools, tool_choice=choice,
+        parallel_tool_calls=parallel, user=req.metadata.user_id if req.metadata else None)
+    return Translated(chat, None, _Params(origins))
+
+
+def translate_count(body: bytes, context: bytes = b"") -> Translated:
+    """A ``/v1/messages/count_tokens`` body as the chat request whose prompt it counts."""
+    req = parse_body(body, CountTokensRequest)
+    messages, origins = _messages(req)
+    tools, choice, parallel = _tools(req)
+    chat = ChatCompletionRequest(model=req.model, messages=messages, max_tokens=1, tools=tools, tool_choice=choice,
+                                 parallel_tool_calls=parallel)
+    return Translated(chat, None, _Params(origins))
+
+
+# ------------------------------------------------------------ messages
+def _text(blocks: list[Any], where: str) -> str:
+    texts = []
+    for j, block in enumerate(blocks):
+        if not isinstance(block, TextBlock):
+            raise _unsupported(block, f"{where}[{j}]")
+        texts.append(block.text)
+    return "".join(texts)
+
+
+def _unsupported(block: Any, where: str) -> InvalidRequest:
+    kind = type(block).__struct_config__.tag
+    if kind in ("image", "document"):
+        return InvalidRequest(f"{kind} content is not supported: the models served here are text-only.", where)
+    return InvalidRequest(f"A {kind} block is not allowed here.", where)
+
+
+def _messages(req: _Body) -> tuple[list[ChatMessage], list[str]]:
+    """The chat messages and, per chat message, the Messages param it came from."""
+    out: list[ChatMessage] = []
+    origins: list[str] = []
+    if req.system:
+        system = req.system if isinstance(req.system, str) else _text(req.system, "system")
+        out.append(ChatMessage("system", system))
+        origins.append("system")
+    if not req.messages:
+        raise InvalidRequest("messages: at least one message is required.", "messages")
+    for i, message in enumerate(req.messages):
+        where = f"messages[{i}]"
+        content = message.content
+        if isinstance(content, str):
+            turns = [ChatMessage(message.role, content)]
+        elif message.role == "assistant":
+            turns = [_assistant(content, f"{where}.content")]
+        else:
+            turns = _user(content, f"{where}.content")
+        out += turns
+        origins += [where] * len(turns)
+    return out, origins
+
+
+def _assistant(blocks: list[Any], where: str) -> ChatMessage:
+    texts, calls = [], []
+    for j, block in enumerate(blocks):
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ToolUseBlock):
+            calls.append({"id": block.id, "type": "function",
+                          "function": {"name": block.name, "arguments": msgspec.json.encode(block.input).decode()}})
+        elif not isinstance(block, ThinkingBlock | RedactedThinkingBlock):  # thinking is dropped, never text
+            raise _unsupported(block, f"{where}[{j}]")
+    return ChatMessage("assistant", "".join(texts), tool_calls=calls or None)
+
+
+def _user(blocks: list[Any], where: str) -> list[ChatMessage]:
+    """A user turn's blocks in order: tool results as ``tool`` messages, text between them as user messages."""
+    out: list[ChatMessage] = []
+    texts: list[str] = []
+    for j, block in enumerate(blocks):
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ToolResultBlock):
+            if texts:
+                out.append(ChatMessage("user", "".join(texts)))
+                texts = []
+            content = block.content if isinstance(block.content, str) else _text(block.content,
+                                                                                  f"{where}[{j}].content")
+            out.append(ChatMessage("tool", f"Error: {content}" if block.is_error else content,
+                                   tool_call_id=block.tool_use_id))
+        elif not isinstance(block, ThinkingBlock | RedactedThinkingBlock):
+            raise _unsupported(block, f"{where}[{j}]")
+    if texts or not out:
+        out.append(ChatMessage("user", "".join(texts)))
+    return out
+
+
+# ------------------------------------------------------------ tools
+def _tools(req: _Body) -> tuple[list[dict[str, Any]] | None, Any, bool | None]:
+    """``tools`` / ``tool_choice`` as chat's ``tools`` / ``tool_choice`` / ``parallel_tool_calls``."""
+    tools = None if req.tools is None else [_tool(tool, f"tools[{i}]") for i, tool in enumerate(req.tools)]
+    choice = req.tool_choice
+    if choice is None:
+        return tools, None, None
+    kind = choice.get("type")
+    parallel = None if not choice.get("disable_parallel_tool_use") else False
+    if kind == "auto":
+        return tools, "auto", parallel
+    if kind == "any":
+        return tools, "required", parallel
+    if kind == "none":
+        return tools, "none", None
+    if kind == "tool":
+        name = choice.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidRequest("tool_choice.name: a tool name is required for type 'tool'.", "tool_choice.name")
+        return tools, {"type": "function", "function": {"name": name}}, parallel
+    raise InvalidRequest(f"tool_choice.type: {kind!r} is not one of 'auto', 'any', 'tool', 'none'.",
+                         "tool_choice.type")
+
+
+def _tool(tool: Any, where: str) -> dict[str, Any]:
+    if not isinstance(tool, dict):
+        raise InvalidRequest("Each tool must be an object.", where)
+    kind = tool.get("type", "custom")
+    if kind != "custom":
+        raise InvalidRequest(f"Tool type {kind!r} is not supported: only client tools (name, description, "
+                             "input_schema) are.", f"{where}.type")
+    unknown = sorted(set(tool) - {"type", "name", "description", "input_schema", "cache_control"})
+    if unknown:
+        raise InvalidRequest(f"{where}.{unknown[0]}: Extra inputs are not permitted", f"{where}.{unknown[0]}")
+    if "input_schema" not in tool:
+        raise InvalidRequest(f"{where}.input_schema: Field required", f"{where}.input_schema")
+    function = {"name": tool.get("name"), "parameters": tool["input_schema"]}
+    if "description" in tool:
+        function["description"] = tool["description"]
+    return {"type": "function", "function": function}
+
+
+# ------------------------------------------------------------ error params
+_CHAT_MESSAGE = re.compile(r"^messages\[(\d+)\]")
+_CHAT_TOOL = re.compile(r"^tools\[(\d+)\]\.function(?:\.(name|description|parameters))?")
+
+
+class _Params:
+    """A chat request's param as the Messages body names it."""
+
+    def __init__(self, origins: list[str]) -> None:
+        self.origins = origins
+
+    def __call__(self, param: str) -> str:
+        message = _CHAT_MESSAGE.match(param)
+        if message:
+            index = int(message.group(1))
+            return self.origins[index] if index < len(self.origins) else "messages"
+        tool = _CHAT_TOOL.match(param)
+        if tool:
+            field = {"parameters": ".input_schema", None: ""}.get(tool.group(2), f".{tool.group(2)}")
+            return f"tools[{tool.group(1)}]{field}{param[tool.end():]}"
+        return {"stop": "stop_sequences", "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
+                "tool_choice": "tool_choice", "max_completion_tokens": "max_tokens"}.get(param, param)
