@@ -10,9 +10,14 @@ template, tool grammar and tool-call parser as chat; errors name the Messages bo
   ``document`` are refused (the models served are text-only).
 - ``tools`` (``name`` / ``description`` / ``input_schema``; Anthropic's server tools are refused),
   ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none`` (``disable_parallel_tool_use``), ``stop_sequences``,
-  ``max_tokens`` (required), ``temperature``, ``top_p``, ``metadata.user_id`` (the chat request's ``user``).
-- Accepted and changing nothing: ``thinking`` (the models here do not think), ``service_tier``,
-  ``cache_control`` on blocks (the prefix cache is automatic), ``anthropic-version`` / ``anthropic-beta``.
+  ``max_tokens`` (required), ``temperature``, ``top_p`` (older SDKs send them), ``metadata.user_id`` (the chat
+  request's ``user``), ``output_config.format`` (JSON outputs: chat's ``response_format``, the same grammar).
+- Accepted and changing nothing: ``thinking`` and ``output_config.effort`` (the models here do not think),
+  ``service_tier``, ``speed``, ``inference_geo``, ``diagnostics``, ``user_profile_id``, ``workspace_id``,
+  ``cache_control`` (top level and on blocks: the prefix cache is automatic), a tool's ``strict`` (tools are
+  always grammar-enforced), ``eager_input_streaming``, ``input_examples``, ``defer_loading``,
+  ``allowed_callers``; the ``anthropic-version`` / ``anthropic-beta`` headers.
+- Refused with a 400 naming them: ``top_k``, ``container``, server tools, ``image`` / ``document`` blocks.
 """
 
 from __future__ import annotations
@@ -81,6 +86,16 @@ class Metadata(Struct):
     user_id: str | None = None
 
 
+class OutputFormat(Struct, forbid_unknown_fields=True):
+    type: Literal["json_schema"]
+    schema: dict[str, Any]
+
+
+class OutputConfig(Struct, forbid_unknown_fields=True):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # accepted: nothing here thinks
+    format: OutputFormat | None = None
+
+
 class _Body(Struct, kw_only=True, forbid_unknown_fields=True):
     model: str
     messages: list[Message]
@@ -88,10 +103,15 @@ class _Body(Struct, kw_only=True, forbid_unknown_fields=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
+    cache_control: dict[str, Any] | None = None  # accepted: the prefix cache is automatic
+    speed: Literal["standard", "fast"] | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
 
 
 class CountTokensRequest(_Body, kw_only=True):
-    pass
+    output_format: OutputFormat | None = None  # the SDK's older name for output_config.format
 
 
 class MessagesRequest(_Body, kw_only=True):
@@ -103,6 +123,9 @@ class MessagesRequest(_Body, kw_only=True):
     top_k: int | None = None
     metadata: Metadata | None = None
     service_tier: str | None = None
+    container: Any = None  # refused when set: no code execution here
+    diagnostics: dict[str, Any] | None = None
+    inference_geo: str | None = None
 
 
 def translate(body: bytes, context: bytes = b"") -> Translated:
@@ -110,6 +133,8 @@ def translate(body: bytes, context: bytes = b"") -> Translated:
     req = parse_body(body, MessagesRequest)
     if req.top_k is not None:
         raise InvalidRequest("top_k is not supported.", "top_k")
+    if req.container is not None:
+        raise InvalidRequest("container is not supported: no code execution tool runs here.", "container")
     stop = list(req.stop_sequences or [])
     if len(stop) > MAX_STOP_SEQUENCES:
         raise InvalidRequest(f"At most {MAX_STOP_SEQUENCES} stop_sequences are supported.", "stop_sequences")
@@ -118,7 +143,8 @@ def translate(body: bytes, context: bytes = b"") -> Translated:
     chat = ChatCompletionRequest(
         model=req.model, messages=messages, max_tokens=req.max_tokens, stream=req.stream,
         temperature=req.temperature, top_p=req.top_p, stop=stop or None, tools=tools, tool_choice=choice,
-        parallel_tool_calls=parallel, user=req.metadata.user_id if req.metadata else None)
+        parallel_tool_calls=parallel, user=req.metadata.user_id if req.metadata else None,
+        response_format=_response_format(req.output_config.format if req.output_config else None))
     return Translated(chat, None, _Params(origins))
 
 
@@ -127,9 +153,17 @@ def translate_count(body: bytes, context: bytes = b"") -> Translated:
     req = parse_body(body, CountTokensRequest)
     messages, origins = _messages(req)
     tools, choice, parallel = _tools(req)
+    output = req.output_config.format if req.output_config and req.output_config.format else req.output_format
     chat = ChatCompletionRequest(model=req.model, messages=messages, max_tokens=1, tools=tools, tool_choice=choice,
-                                 parallel_tool_calls=parallel)
+                                 parallel_tool_calls=parallel, response_format=_response_format(output))
     return Translated(chat, None, _Params(origins))
+
+
+def _response_format(output: OutputFormat | None) -> dict[str, Any] | None:
+    """``output_config.format`` (JSON outputs) as chat's ``response_format``: the same grammar enforces it."""
+    if output is None:
+        return None
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": output.schema, "strict": True}}
 
 
 # ------------------------------------------------------------ messages
@@ -232,6 +266,11 @@ def _tools(req: _Body) -> tuple[list[dict[str, Any]] | None, Any, bool | None]:
                          "tool_choice.type")
 
 
+# a client tool's keys; all but name / description / input_schema change nothing (the grammar is always strict)
+_TOOL_KEYS = {"type", "name", "description", "input_schema", "cache_control", "strict", "eager_input_streaming",
+              "input_examples", "defer_loading", "allowed_callers"}
+
+
 def _tool(tool: Any, where: str) -> dict[str, Any]:
     if not isinstance(tool, dict):
         raise InvalidRequest("Each tool must be an object.", where)
@@ -239,7 +278,7 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
     if kind != "custom":
         raise InvalidRequest(f"Tool type {kind!r} is not supported: only client tools (name, description, "
                              "input_schema) are.", f"{where}.type")
-    unknown = sorted(set(tool) - {"type", "name", "description", "input_schema", "cache_control"})
+    unknown = sorted(set(tool) - _TOOL_KEYS)
     if unknown:
         raise InvalidRequest(f"{where}.{unknown[0]}: Extra inputs are not permitted", f"{where}.{unknown[0]}")
     if "input_schema" not in tool:
@@ -270,5 +309,7 @@ class _Params:
         if tool:
             field = {"parameters": ".input_schema", None: ""}.get(tool.group(2), f".{tool.group(2)}")
             return f"tools[{tool.group(1)}]{field}{param[tool.end():]}"
+        if param.startswith("response_format"):
+            return "output_config.format"
         return {"stop": "stop_sequences", "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
                 "tool_choice": "tool_choice", "max_completion_tokens": "max_tokens"}.get(param, param)

@@ -88,13 +88,30 @@ def test_tools_and_every_tool_choice():
      "messages[0].content[0]", "tool_use"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type", "not supported"),
     ({"tools": [{"name": "w"}]}, "tools[0].input_schema", "required"),
-    ({"tools": [{"name": "w", "input_schema": {}, "strict": True}]}, "tools[0].strict", "Extra inputs"),
+    ({"tools": [{"name": "w", "input_schema": {}, "color": "red"}]}, "tools[0].color", "Extra inputs"),
+    ({"container": "c-1"}, "container", "not supported"),
+    ({"output_config": {"format": {"type": "xml", "schema": {}}}}, "output_config.format.type", "xml"),
     ({"tool_choice": {"type": "tool"}}, "tool_choice.name", "name"),
     ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type", "sometimes"),
 ])
 def test_bad_bodies_are_refused_naming_the_messages_param(fields, param, says):
     error = rejected(body(**fields))
     assert error.param == param and says in error.message, (error.param, error.message)
+
+
+def test_the_current_sdks_fields_are_accepted_and_json_outputs_become_response_format():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    out = translate(body(cache_control={"type": "ephemeral"}, speed="standard", inference_geo="us",
+                         diagnostics={"previous_message_id": "msg_1"}, user_profile_id="p", workspace_id="w",
+                         output_config={"effort": "low", "format": {"type": "json_schema", "schema": schema}},
+                         tools=[{"name": "w", "input_schema": {"type": "object"}, "strict": True,
+                                 "eager_input_streaming": True, "input_examples": [{}]}]))
+    assert out.body.response_format == {"type": "json_schema",
+                                        "json_schema": {"name": "output", "schema": schema, "strict": True}}
+    count = translate_count(json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                        "output_format": {"type": "json_schema", "schema": schema}}).encode())
+    assert count.body.response_format == out.body.response_format
+    assert out.param("response_format.json_schema.schema") == "output_config.format"
 
 
 def test_max_tokens_is_required_but_not_for_count_tokens():
