@@ -257,3 +257,32 @@ def test_a_small_batch_runs_on_vllm(mesh):
     for line in output:
         body = line["response"]["body"]
         assert body["object"] == "chat.completion" and 0 < body["usage"]["completion_tokens"] <= 3
+
+
+async def test_anthropic_sdk_messages_on_vllm(mesh, tokenizer):
+    """The Messages API over vLLM: count_tokens is the prompt generation sees, create equals its stream at
+    temperature 0 (the SDK no longer sends temperature: extra_body), and a forced tool call is grammar-valid."""
+    import anthropic
+
+    client = anthropic.AsyncAnthropic(base_url=mesh["base_url"].removesuffix("/v1"), api_key=mesh["key"],
+                                      max_retries=0)
+    system, user = MESSAGES[0]["content"], MESSAGES[1:]
+    counted = await client.messages.count_tokens(model="tiny", system=system, messages=user)
+    assert counted.input_tokens == len(tokenizer.apply_chat_template(MESSAGES))
+    ask = dict(model="tiny", system=system, messages=user, max_tokens=16, extra_body={"temperature": 0})
+    whole = await client.messages.create(**ask)
+    async with client.messages.stream(**ask) as stream:
+        streamed = await stream.get_final_message()
+    assert [b.text for b in streamed.content] == [b.text for b in whole.content] and whole.content[0].text
+    assert streamed.stop_reason == whole.stop_reason in ("end_turn", "max_tokens")
+    for usage in (whole.usage, streamed.usage):
+        assert usage.input_tokens + usage.cache_read_input_tokens == counted.input_tokens
+        assert usage.output_tokens == whole.usage.output_tokens
+    schema = {"type": "object", "properties": {"q": {"type": "string", "maxLength": 8}}, "required": ["q"],
+              "additionalProperties": False}
+    tool = {"name": "lookup", "input_schema": schema}
+    called = await client.messages.create(model="tiny", messages=user, max_tokens=64, tools=[tool],
+                                          tool_choice={"type": "tool", "name": "lookup"})
+    calls = [b for b in called.content if b.type == "tool_use"]
+    assert called.stop_reason == "tool_use" and [c.name for c in calls] == ["lookup"], called
+    assert set(calls[0].input) == {"q"} and isinstance(calls[0].input["q"], str)
