@@ -16,6 +16,7 @@ from services.edge.api import EdgeApi
 from services.edge.batches import batch_routes
 from services.edge.files import FilesApi
 from services.edge.messages_api import MessagesApi
+from services.edge.responses_api import ResponsesApi
 from shared import errors
 
 log = logging.getLogger("infermesh.edge")
@@ -78,7 +79,7 @@ def create_app(api: EdgeApi) -> Litestar:
 
     return Litestar(
         route_handlers=[list_models, chat_completions, completions, health, ready, *files.route_handlers(),
-                        *MessagesApi(api).route_handlers(),
+                        *MessagesApi(api).route_handlers(), *ResponsesApi(api).route_handlers(),
                         *batch_routes(api.mesh.bus, api.authenticate)],
         exception_handlers={errors.ApiError: _on_api_error, HTTPException: _on_http_error, Exception: _on_unexpected},
         openapi_config=None,

@@ -37,7 +37,7 @@ from typing import Any, Callable, Literal
 
 import msgspec
 
-from services.edge import messages_body
+from services.edge import messages_body, responses_body
 from services.edge.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -104,6 +104,7 @@ class PrepJob:
 # kind -> how its bodies (and a stored conversation, ``PrepJob.context``) become chat requests
 TRANSLATIONS: dict[str, Callable[[bytes, bytes], Translated]] = {
     "messages": messages_body.translate, "messages_count": messages_body.translate_count,
+    "responses": responses_body.translate,
 }
 
 
