@@ -7,14 +7,16 @@ a KV read a consumer on ``KV_<bucket>`` or a direct get; JetStream API calls are
 |-----------|-----------------------------------------------------------------|---------------------------------|
 | edge      | router.route, worker.*.generate/abort/ping, admission.*,        | stream.> (token streams),       |
 |           | outcome.*, usage (JetStream); the orphans consumer's acks;      | edge.*.ping, edge.*.revoked,    |
-|           | batch.api.* (the Batch API, asked of the batch service)         | batch.line (queue edges)        |
+|           | batch.api.* (the Batch API, asked of the batch service),        | batch.line (queue edges)        |
+|           | responses.api.* (stored responses, asked of metering)           |                                 |
 | router    | router.decisions, worker.*.kv_replay/kv_snapshot; replies       | router.route, router.*.explain, |
 |           |                                                                 | router.decisions, kv.*, load.*  |
 | admission | replies (lease grants); the usage stream's info (last sequence) | admission.*                     |
 |           | edge.*.revoked (a batch lease taken back)                       |                                 |
 | breaker   | breaker.transitions                                             | outcome.*                       |
-| metering  | acks on the usage stream, usage_dlq (dead letters, JetStream)   | metering.keys_changed, usage    |
-|           |                                                                 | (durable consumer)              |
+| metering  | acks on the usage stream, usage_dlq (dead letters, JetStream);  | metering.keys_changed, usage    |
+|           | replies (stored responses)                                      | (durable consumer),             |
+|           |                                                                 | responses.api.*                 |
 | worker    | stream.> (tokens), load.*, kv.*, orphans.* (JetStream),         | worker.>                        |
 |           | edge.*.ping; replies (load, kv pages, pong)                     |                                 |
 | batch     | batch.line (asks an edge), batch.results.> and batch.events.>   | batch.api.*                     |
@@ -178,7 +180,8 @@ def _grants(role: Role, s: Subjects) -> tuple[tuple[str, ...], tuple[str, ...], 
         return ((s.route, f"{worker}.generate", f"{worker}.abort", f"{worker}.ping", f"{ns}.admission.*",
                  s.outcome_all, *stream_publish(s.usage_stream, s.usage), *stream_consume(s.orphans_stream),
                  *kv_reads(s.workers_bucket), *kv_reads(s.breakers_bucket), *kv_reads(s.api_keys_bucket),
-                 *kv_writes(s.edges_bucket), *object_store_access(s.files_bucket), f"{ns}.batch.api.*"),
+                 *kv_writes(s.edges_bucket), *object_store_access(s.files_bucket), f"{ns}.batch.api.*",
+                 s.responses_api_all),
                 (f"{ns}.stream.>", f"{edge}.ping", f"{edge}.revoked", s.batch_line),
                 frozenset({s.edges_bucket, s.files_bucket}), True)
     if role is Role.BATCH:  # jobs: runs lines through the edges, keeps results and events, reads submissions
@@ -203,7 +206,7 @@ def _grants(role: Role, s: Subjects) -> tuple[tuple[str, ...], tuple[str, ...], 
     if role is Role.METERING:
         return ((*stream_consume(s.usage_stream), *stream_publish(s.usage_dead_letter_stream, s.usage_dead_letters),
                  *kv_writes(s.api_keys_bucket), *kv_writes(s.billing_bucket)),
-                (s.keys_changed,), frozenset({s.api_keys_bucket, s.billing_bucket}), False)
+                (s.keys_changed, s.responses_api_all), frozenset({s.api_keys_bucket, s.billing_bucket}), True)
     if role is Role.WORKER:
         return ((f"{ns}.stream.>", s.load_all, s.kv_events_all, f"{edge}.ping",
                  *stream_publish(s.orphans_stream, s.orphans_all), *kv_reads(s.edges_bucket),

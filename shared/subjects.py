@@ -33,6 +33,7 @@ tests - can share one NATS server without hearing each other.
     KV bucket <ns>_api_keys           key <sha256>   ApiKeyRecord (metering keeps it in step with the ledger)
     KV bucket <ns>_billing            key prices     PriceSheet; key spend.<team>: TeamSpend
     <ns>.metering.keys_changed        publish        (empty): the CLI changed keys; metering syncs at once
+    <ns>.responses.api.<operation>    request/reply  ResponsesApiRequest -> ResponsesApiReply (stored responses)
     object store <ns>_files           name file-<hex> the files of /v1/files (shared/files.py: chunks + info)
 """
 
@@ -185,6 +186,14 @@ class Subjects:
     def batch_line(self) -> str:
         """One line of a job, run by any edge (queue group ``edges``): BatchLineRequest -> BatchLineReply."""
         return f"{self.namespace}.batch.line"
+
+    def responses_api(self, operation: str) -> str:
+        """Metering's store of the Responses API's stored responses (shared/responses_schema.py): request/reply."""
+        return f"{self.namespace}.responses.api.{_check_token(operation, 'responses operation')}"
+
+    @property
+    def responses_api_all(self) -> str:
+        return f"{self.namespace}.responses.api.*"
 
     def batch_api(self, operation: str) -> str:
         """The batch service's API for edges (create, retrieve, list, cancel): request/reply."""

@@ -15,7 +15,7 @@ import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import msgspec
 from opentelemetry import trace
@@ -90,15 +90,18 @@ class EdgeApi:
             kind, f"{prefix}-{request_id}", prepared.model, parser(request_id[:16]) if parser else None,
             prepared.include_usage))
 
-    async def prepare(self, request: HttpRequest, kind: str, context: bytes = b"") -> tuple[Prepared, ModelTokenizer]:
-        """``request``'s body of endpoint ``kind`` as a request ready to route (``context``: what prep.py
-        prepends to it, e.g. a stored conversation), and its model's tokenizer; ApiError when it is not valid."""
+    async def prepare(self, request: HttpRequest, kind: str,
+                      context: Callable[[Peek], Awaitable[bytes]] | None = None) -> tuple[Prepared, ModelTokenizer]:
+        """``request``'s body of endpoint ``kind`` as a request ready to route, and its model's tokenizer; ApiError
+        when it is not valid. ``context``: what prep.py prepends to the body (a stored conversation), read for
+        what the body says of it once the body is known to name a model."""
         seen = peek(request.body)
         if seen is None:  # not even a model: decoding the body says what is wrong with it
             await self.prep.run(PrepJob(kind, request.body, None), None)  # type: ignore[arg-type]
             raise errors.invalid_request("The request body could not be read.")
         info, tokenizer = await self._model(seen.model)
-        return await self.prep.run(self._job(kind, request.body, seen, info, context), tokenizer,
+        prefix = await context(seen) if context is not None else b""
+        return await self.prep.run(self._job(kind, request.body, seen, info, prefix), tokenizer,
                                    seen.schema_key()), tokenizer
 
     def tool_parser(self, prepared: Prepared) -> Callable[[str], ToolCallParser] | None:
@@ -294,6 +297,7 @@ class EdgeApi:
                     head = b""
                 item = await events.__anext__()
             _record(span, shape.id, item)
+            await events.aclose()  # billed and its lease released now, not after the closing (it may store)
             tail = await shape.closing(item)
         except StreamBroken as exc:
             failed = errors.engine_failed(f"The engine failed mid-generation: {exc}")

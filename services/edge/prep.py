@@ -68,6 +68,7 @@ class Peek(msgspec.Struct):
     tools: msgspec.Raw = _RAW_NULL
     response_format: msgspec.Raw = _RAW_NULL
     text: msgspec.Raw = _RAW_NULL  # the Responses API's ``text.format``
+    previous_response_id: str | None = None  # the Responses API's: the stored conversation a body continues
 
     def schema_key(self) -> bytes | None:
         if self.tools == _RAW_NULL and self.response_format == _RAW_NULL and self.text == _RAW_NULL:

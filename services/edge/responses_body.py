@@ -13,13 +13,15 @@ template, tool grammar and tool-call parser as chat; errors name the Responses b
 - ``tools`` (``function`` tools: ``name`` / ``description`` / ``parameters``), ``tool_choice`` ``auto`` /
   ``none`` / ``required`` / ``{"type": "function", "name"}``, ``parallel_tool_calls``, ``max_output_tokens``,
   ``temperature``, ``top_p``, ``stream``, ``text.format`` ``text`` / ``json_object`` / ``json_schema`` (chat's
-  ``response_format``, the same grammar), ``user``, ``metadata``.
+  ``response_format``, the same grammar), ``user``, ``metadata``, ``store``; ``previous_response_id``: the
+  stored conversation it names (``context``: its items, which the edge asks metering for) comes before the
+  input, and its ``instructions`` do not (as OpenAI's).
 - Accepted and changing nothing: ``reasoning`` (the models here do not reason), ``text.verbosity``, ``include``,
-  ``store`` (reported as sent), ``truncation`` (reported; ``auto`` truncates nothing), ``max_tool_calls`` (it
+  ``truncation`` (reported; ``auto`` truncates nothing), ``max_tool_calls`` (it
   counts built-in tool calls, and none runs here), ``stream_options``, ``service_tier``, ``safety_identifier``,
   ``prompt_cache_key`` / ``_retention`` / ``_options`` (the prefix cache is automatic), ``top_logprobs`` 0, a tool's
   ``strict`` (tools are always grammar-enforced), ``background`` false.
-- Refused with a 400 naming them: ``background`` true, ``previous_response_id``, ``conversation``, ``prompt``,
+- Refused with a 400 naming them: ``background`` true, ``conversation``, ``prompt``,
   ``top_logprobs`` > 0, tools other than ``function`` (built-in, MCP, custom), other ``tool_choice`` types,
   ``input_image`` / ``input_file`` / ``input_audio`` parts, ``item_reference`` and every other item type.
 """
@@ -116,19 +118,23 @@ class ResponsesRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     include: list[str] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     background: bool | None = None
-    previous_response_id: Any = None  # refused when set, like conversation and prompt: nothing is stored here
+    previous_response_id: str | None = None  # the stored conversation this continues (the edge reads it: context)
     conversation: Any = None
     prompt: Any = None
 
 
 def translate(body: bytes, context: bytes = b"") -> Translated:
-    """A ``/v1/responses`` body as a chat request; ``context`` (a stored conversation) is not used yet."""
+    """A ``/v1/responses`` body as a chat request; ``context``: the stored conversation ``previous_response_id``
+    names (its items, JSON, as metering keeps them), which comes before the input."""
     req = parse_body(body, ResponsesRequest)
     if req.background:
         raise InvalidRequest("background mode is not supported.", "background")
+    earlier: list[Any] = []
     if req.previous_response_id is not None:
-        raise InvalidRequest("previous_response_id is not supported yet: send the whole conversation as input.",
-                             "previous_response_id")
+        if not context:
+            raise InvalidRequest(f"Previous response with id '{req.previous_response_id}' not found.",
+                                 "previous_response_id")
+        earlier = msgspec.json.decode(context)
     if req.conversation is not None:
         raise InvalidRequest("conversation is not supported yet: send the whole conversation as input.",
                              "conversation")
@@ -139,7 +145,7 @@ def translate(body: bytes, context: bytes = b"") -> Translated:
     if req.input is None:
         raise InvalidRequest("input: Field required", "input")
     items = _items(req.input)
-    messages, origins, calls = _messages(req.instructions, items)
+    messages, origins, calls = _messages(req.instructions, [*earlier, *items], len(earlier))
     tools, choice = _tools(req)
     fmt = req.text.format if req.text else None
     chat = ChatCompletionRequest(
@@ -156,7 +162,8 @@ def translate(body: bytes, context: bytes = b"") -> Translated:
              "parallel_tool_calls": req.parallel_tool_calls is not False, "text": text,
              "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
              "metadata": req.metadata or {}, "user": req.user, "store": req.store is not False,
-             "truncation": req.truncation or "disabled", "input_items": items}
+             "truncation": req.truncation or "disabled", "input_items": items,
+             "previous_response_id": req.previous_response_id}
     return Translated(chat, extra, _Params(origins, calls))
 
 
@@ -202,10 +209,10 @@ def _convert(item: dict[str, Any], kind: type[Struct], where: str) -> Any:
         raise InvalidRequest(f"Invalid request: {text}", f"{param}.{missing.group(1)}" if missing else param) from None
 
 
-def _messages(instructions: str | None,
-              items: list[dict[str, Any]]) -> tuple[list[ChatMessage], list[str], dict[int, list[str]]]:
+def _messages(instructions: str | None, items: list[dict[str, Any]],
+              earlier: int = 0) -> tuple[list[ChatMessage], list[str], dict[int, list[str]]]:
     """The chat messages; per chat message the Responses param it came from; per assistant message with
-    tool calls, the item each call came from."""
+    tool calls, the item each call came from. The first ``earlier`` items are the stored conversation's."""
     out: list[ChatMessage] = []
     origins: list[str] = []
     calls: dict[int, list[str]] = {}
@@ -214,7 +221,8 @@ def _messages(instructions: str | None,
         origins.append("instructions")
     merge = False  # the last chat message is an assistant turn that the next function_call joins
     for i, item in enumerate(items):
-        where, kind = f"input[{i}]", item.get("type")
+        where = f"input[{i - earlier}]" if i >= earlier else "previous_response_id"
+        kind = item.get("type")
         if kind == "reasoning":  # dropped, never text; a reasoning item between calls does not split them
             continue
         if kind == "function_call":

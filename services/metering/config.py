@@ -28,9 +28,11 @@ class MeteringConfig(BusConfig):
     # the trace UI's page of one trace, "{trace_id}" in it (Jaeger: http://127.0.0.1:16686/trace/{trace_id}): the
     # dashboard links each usage row to its trace there; "" = no links
     trace_url: str = ""
+    responses_retention_s: float = 30 * 86400.0  # a stored response (the Responses API's store) is kept this long
+    responses_sweep_s: float = 60.0  # expired stored responses are deleted this often (no read sees them meanwhile)
 
     def __post_init__(self) -> None:
         assert self.batch_size >= 1 and self.fetch_wait_s > 0 and self.ack_wait_s > 0 and self.sync_s > 0
         assert self.writers >= 1 and self.spend_sync_s > 0
         assert 0 < self.writer_restart_s <= self.writer_restart_max_s and self.max_lag_s > 0
-        assert self.billing_port >= -1
+        assert self.billing_port >= -1 and self.responses_retention_s > 0 and self.responses_sweep_s > 0

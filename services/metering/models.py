@@ -8,7 +8,8 @@ The usage columns and the wire type share one definition (``shared/schema.py``):
 as long as ``UsageEvent``'s bounds (``MAX_*``), and a closed set (status, finish reason) is a column
 ``CODE_WIDTH`` long with a CHECK that it is one of its ``Literal``'s members. A message that fits the
 type fits the table; tests/unit/test_ledger_types.py holds both to it, test_ledger_db.py the migrations.
-``batch_jobs`` does the same with ``shared/batch_schema.py`` (its bounds, and its status, endpoint, window, source).
+``batch_jobs`` does the same with ``shared/batch_schema.py`` (its bounds, and its status, endpoint, window, source),
+``stored_responses`` with ``shared/responses_schema.py``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from shared.batch_schema import (
     BatchStatus,
     CompletionWindow,
 )
+from shared.responses_schema import MAX_RESPONSE_ID
 from shared.schema import (
     DEFAULT_BATCH_PERCENT,
     MAX_DEPLOYMENT,
@@ -257,3 +259,20 @@ class BatchJob(Base):
     submit_id: Mapped[str | None] = mapped_column(String(MAX_SUBMIT_ID), nullable=True)
     updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=func.current_timestamp(),
                                                     nullable=False)
+
+
+class StoredResponseRow(Base):
+    """A stored response of the Responses API (shared.responses_schema.StoredResponse; services/metering/responses.py
+    reads and writes it). A team reads only its own; a row past ``expires_at`` is gone for every reader at once and
+    is deleted by the next sweep. ``previous_response_id`` links a conversation's responses, newest to oldest."""
+
+    __tablename__ = "stored_responses"
+    __table_args__ = (Index("ix_stored_responses_expires_at", "expires_at"),)
+
+    id: Mapped[str] = mapped_column(String(MAX_RESPONSE_ID), primary_key=True)
+    team: Mapped[str] = mapped_column(NAME, nullable=False)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    expires_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    previous_response_id: Mapped[str | None] = mapped_column(String(MAX_RESPONSE_ID), nullable=True)
+    response: Mapped[dict] = mapped_column(JSON, nullable=False)  # the response object
+    input_items: Mapped[list] = mapped_column(JSON, nullable=False)  # its request's own input items

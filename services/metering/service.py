@@ -4,6 +4,8 @@
     per batch) --> ack every message of the batch
                      a message that can never be written --> <NS>_usage_dlq, then acked
 
+Metering also keeps the Responses API's stored responses (responses.py: ``<ns>.responses.api.*``).
+
 A message is acked only after its batch committed. While the database is away the batch is held
 and retried (its messages marked in progress so JetStream does not hand them to another replica);
 if metering dies, JetStream redelivers whatever was not acked, and the unique (request_id, attempt)
@@ -36,6 +38,7 @@ from services.metering.ledger import Written, write_usage
 from services.metering.metrics import Health, LagWindow, dead_letter_key
 from services.metering.poison import Isolation
 from services.metering.pricing import PriceBook
+from services.metering.responses import ResponsesServer
 from services.metering.sync import BusViews, load_keys, load_prices
 from shared import schema
 from shared.bus import Bus
@@ -73,8 +76,10 @@ class MeteringService:
         self._stopping = asyncio.Event()
         self._billing: object = None
         self.billing_port = 0
+        self.responses: ResponsesServer | None = None
 
     async def start(self) -> None:
+        config = self.config
         await self._until_database(lambda: migrate(self.url), "migrate the ledger")
         self.engine = create_engine(self.url)
         await ensure_usage_stream(self.bus)
@@ -89,6 +94,8 @@ class MeteringService:
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=self.config.ack_wait_s,
                                   deliver_policy=DeliverPolicy.ALL, max_ack_pending=50_000, filter_subject=s.usage))
         self._keys_sub = await self.bus.nc.subscribe(s.keys_changed, cb=self._on_keys_changed)
+        self.responses = ResponsesServer(self.bus, self.engine, config.responses_retention_s, config.responses_sweep_s)
+        await self.responses.start()
         self._tasks = [asyncio.create_task(self._supervise(i), name=f"metering-writer-{i}-supervisor")
                        for i in range(self.config.writers)]  # one batch commits while the next is fetched
         self._tasks.append(asyncio.create_task(self._sync_loop(), name="metering-sync"))
@@ -100,6 +107,8 @@ class MeteringService:
     async def stop(self) -> None:
         """A clean stop: the batches being written commit and are acked (a bounded wait), then the rest stops."""
         self._stopping.set()
+        if self.responses is not None:
+            await self.responses.stop()
         supervisors = self._tasks[:-1]
         if supervisors:
             await asyncio.wait(supervisors, timeout=STOP_WAIT_S)

@@ -20,6 +20,8 @@ from nats.js.api import StreamConfig
 from infermesh.bus_roles import Role
 from services.admission.store import LeaseStore
 from services.edge.keys import KeyDirectory, hash_key
+from services.metering.db import create_engine, migrate
+from services.metering.responses import ResponsesServer
 from services.metering.sync import BusViews
 from services.router.session_store import SessionStore
 from shared import schema
@@ -29,6 +31,7 @@ from shared.kv_cas import ensure_bucket, get_last
 from shared.kv_keys import live_keys
 from shared.nats_auth import NatsCredentials
 from shared.registry import WorkerDirectory, WorkerRegistration
+from shared.responses_schema import ResponsesApiReply, ResponsesApiRequest
 from shared.schema import ApiKeyRecord, BreakerRecord, SessionBinding, TeamSpend, UsageEvent, WorkerInfo
 from shared.usage import UsagePublisher, ensure_usage_stream
 from tests.locked_nats import LockedNats, make_tls
@@ -402,3 +405,22 @@ async def test_a_reply_subject_cannot_borrow_a_responders_rights(locked):
         assert data is None
     finally:
         await registration.stop()
+
+
+async def test_edges_ask_metering_for_stored_responses_and_no_other_role_can(locked, tmp_path):
+    metering, edge, worker = await connect_all(locked, Role.METERING, Role.EDGE, Role.WORKER)
+    url = f"sqlite:///{tmp_path}/ledger.db"
+    await migrate(url)
+    engine = create_engine(url)
+    server = ResponsesServer(metering, engine, 86_400, 3_600)
+    await server.start()
+    try:
+        reply = await edge.request(edge.subjects.responses_api("get"), ResponsesApiRequest(
+            team="research", response_id="resp_x"), ResponsesApiReply, timeout=10)
+        assert reply.error_status == 404  # asked and answered through the locked bus
+        subject = worker.subjects.responses_api("get")
+        await worker.nc.publish(subject, b"forged")
+        await locked.wait_for_violation(f'Publish Violation - Subject "{subject}"')
+    finally:
+        await server.stop()
+        await engine.dispose()

@@ -28,7 +28,8 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 UTC = dt.timezone.utc
-LEDGER_TABLES = {"teams", "api_keys", "models", "prices", "usage", "usage_daily", "budgets", "batch_jobs"}
+LEDGER_TABLES = {"teams", "api_keys", "models", "prices", "usage", "usage_daily", "budgets", "batch_jobs",
+                 "stored_responses"}
 
 
 @pytest.fixture

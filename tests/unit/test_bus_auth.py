@@ -55,6 +55,7 @@ def roles_that(check, subject: str) -> set[Role]:
     ("im.worker.sim-0.abort", {Role.EDGE}),
     ("im.metering.keys_changed", {Role.ADMIN}),
     ("im.usage_dlq", {Role.METERING}),
+    ("im.responses.api.get", {Role.EDGE}),  # stored responses: an edge asks metering for its caller's team
     ("im.orphans.sim-0", {Role.WORKER}),
     ("im.stream.e1.r1", {Role.WORKER}),
     ("im.edge.e1.revoked", {Role.ADMISSION}),  # a batch lease taken back: its edge aborts the request
@@ -76,6 +77,7 @@ def test_each_write_belongs_to_the_roles_that_own_it(subject, writers):
     ("im.edge.e1.revoked", {Role.EDGE}),
     ("im.outcome.sim-0", {Role.BREAKER}),
     ("im.metering.keys_changed", {Role.METERING}),
+    ("im.responses.api.store", {Role.METERING}),
     ("_INBOX.edge.abc.1", {Role.EDGE}),
     ("_INBOX.abc", set()),
 ])
@@ -89,7 +91,7 @@ def test_every_role_reads_replies_only_on_its_own_inbox_and_answers_only_when_it
         assert inboxes == [f"_INBOX.{role}.>"]
         assert not any(s.startswith("_INBOX") for s in p.publish)
     assert {r for r, p in ALL.items() if p.responds} == {Role.EDGE, Role.ROUTER, Role.ADMISSION, Role.WORKER,
-                                                         Role.BATCH}
+                                                         Role.BATCH, Role.METERING}
     assert set(SERVICE_ROLES.values()) == set(Role) - {Role.ADMIN}
     assert len(buckets(S)) == len(set(buckets(S)))
 

@@ -130,7 +130,7 @@ def test_the_extra_dict_has_the_defaults_and_echoes_what_was_sent():
     assert translate(body()).extra == {
         "instructions": None, "tools": [], "tool_choice": "auto", "parallel_tool_calls": True,
         "text": {"format": {"type": "text"}}, "temperature": None, "top_p": None, "max_output_tokens": None,
-        "metadata": {}, "user": None, "store": True, "truncation": "disabled",
+        "metadata": {}, "user": None, "store": True, "truncation": "disabled", "previous_response_id": None,
         "input_items": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}
     out = translate(body(instructions="i", tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
                          temperature=0.2, top_p=0.5, max_output_tokens=7, metadata={"a": "b"}, user="u",
@@ -139,7 +139,7 @@ def test_the_extra_dict_has_the_defaults_and_echoes_what_was_sent():
     assert {k: v for k, v in extra.items() if k != "input_items"} == {
         "instructions": "i", "tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False,
         "text": {"format": {"type": "text"}}, "temperature": 0.2, "top_p": 0.5, "max_output_tokens": 7,
-        "metadata": {"a": "b"}, "user": "u", "store": False, "truncation": "auto"}
+        "metadata": {"a": "b"}, "user": "u", "store": False, "truncation": "auto", "previous_response_id": None}
     assert len(extra["input_items"]) == len(ROUND_TRIP)
     assert extra["input_items"][0] == {"type": "message", "role": "developer",
                                        "content": [{"type": "input_text", "text": "use tools"}]}
@@ -153,7 +153,8 @@ def message(*parts, role="user") -> list[dict]:
 
 @pytest.mark.parametrize(("fields", "param", "says"), [
     ({"background": True}, "background", "background mode is not supported"),
-    ({"previous_response_id": "resp_1"}, "previous_response_id", "send the whole conversation as input"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "not found"),  # the edge found no conversation
+    ({"previous_response_id": 7}, "previous_response_id", "Expected `str | null`"),
     ({"conversation": "conv_1"}, "conversation", "not supported"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt", "not supported"),
     ({"top_logprobs": 2}, "top_logprobs", "not supported"),
@@ -227,3 +228,35 @@ def test_chat_validation_errors_come_back_under_responses_names():
     with pytest.raises(InvalidRequest) as info:
         validate_chat(named.body)
     assert named.param(info.value.param) == "tool_choice.name"
+
+
+STORED = [  # a stored conversation as metering sends it back: input items with ids, then the output
+    {"id": "msg_a_in0", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+    {"id": "fc_a_0", "type": "function_call", "status": "completed", "call_id": "c1", "name": "weather",
+     "arguments": '{"city":"Paris"}'},
+]
+
+
+def test_a_stored_conversation_comes_before_the_input_and_its_instructions_do_not():
+    answer = {"type": "function_call_output", "call_id": "c1", "output": "18C"}
+    out = translate(body(previous_response_id="resp_a", instructions="be brief", input=[answer], tools=[WEATHER]),
+                    json.dumps(STORED).encode())
+    assert chat_messages(out) == [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [chat_call("c1")]},
+        {"role": "tool", "content": "18C", "tool_call_id": "c1"}]
+    assert out.extra["input_items"] == [answer]  # its own input only: what its input_items lists
+    assert out.extra["previous_response_id"] == "resp_a"
+    assert [out.param(f"messages[{i}]") for i in range(4)] == [
+        "instructions", "previous_response_id", "previous_response_id", "input[0]"]
+
+
+def test_an_error_in_the_input_after_a_stored_conversation_names_the_input_item():
+    error = rejected_with(body(previous_response_id="resp_a", input=[{"type": "bogus"}]), json.dumps(STORED))
+    assert error.param == "input[0].type"
+
+
+def rejected_with(raw: bytes, context: str) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as info:
+        translate(raw, context.encode())
+    return info.value

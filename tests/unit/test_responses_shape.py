@@ -94,3 +94,29 @@ def test_a_failure_mid_stream_ends_in_error_and_response_failed():
     assert evs[-2]["code"] == "engine_error" and "worker lost" in evs[-2]["message"]
     assert evs[-1]["response"]["status"] == "failed" and evs[-1]["response"]["error"]["code"] == "engine_error"
     assert [e["sequence_number"] for e in evs] == list(range(len(evs)))
+
+
+@pytest.mark.parametrize("stored", [True, False])
+def test_a_response_to_store_is_stored_before_its_last_event_and_says_whether_it_was(stored):
+    kept: list[dict] = []
+
+    async def keep(response: dict) -> bool:
+        kept.append(json.loads(json.dumps(response)))  # as it is sent to metering
+        return stored
+
+    streamed = ResponsesShape("resp_ab", "tiny", None, {**ECHO, "previous_response_id": "resp_0"}, keep)
+    evs = stream(streamed, ["Hi"], usage())
+    assert evs[0]["response"]["store"] is True and evs[0]["response"]["previous_response_id"] == "resp_0"
+    assert len(kept) == 1 and kept[0]["store"] is True and kept[0]["output"] == evs[-1]["response"]["output"]
+    assert evs[-1]["response"]["store"] is stored
+    whole = asyncio.run(ResponsesShape("resp_ab", "tiny", None, ECHO, keep).full(["Hi"], usage()))
+    assert len(kept) == 2 and whole["store"] is stored and kept[1]["output"] == whole["output"]
+
+
+def test_a_failed_response_is_not_stored():
+    async def keep(response: dict) -> bool:
+        raise AssertionError("a failed response was stored")
+
+    s = ResponsesShape("resp_ab", "tiny", None, ECHO, keep)
+    evs = events(s.opening() + s.text("Hi") + s.failed(errors.engine_failed("boom")))
+    assert evs[-1]["type"] == "response.failed"

@@ -5,14 +5,16 @@ for a message ``response.content_part.added`` / ``response.output_text.delta`` /
 / ``response.content_part.done``, for a function call ``response.function_call_arguments.delta`` /
 ``.done``, then ``response.output_item.done``; it ends with ``response.completed``, or ``response.incomplete``
 (``max_output_tokens``) when the output was cut. Every event carries its ``sequence_number``. A run failing
-mid-stream ends with an ``error`` event and ``response.failed``. Both forms come from one ``_Items``
+mid-stream ends with an ``error`` event and ``response.failed``. A response to be stored is stored before its
+``response.completed`` / ``.incomplete`` (the whole response: before it is sent), so its id can be continued
+(``previous_response_id``) as soon as the client has it. Both forms come from one ``_Items``
 collector fed the same deltas, so the whole response always equals its stream.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from services.edge.attempt import Usage
 from services.edge.shapes import sse_event
@@ -20,8 +22,9 @@ from services.edge.tools import ContentDelta, ToolCallParser
 from services.edge.tools.parser import Delta
 from shared import errors
 
-ECHOED = ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls", "temperature", "text",
-          "tool_choice", "tools", "top_p", "truncation", "user")  # request fields a response shows as they came
+ECHOED = ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls", "previous_response_id",
+          "temperature", "text", "tool_choice", "tools", "top_p", "truncation", "user")  # shown as they came
+Keep = Callable[[dict[str, Any]], Awaitable[bool]]  # stores a finished response: whether it was stored
 
 
 def responses_usage(done: Usage) -> dict[str, Any]:
@@ -99,10 +102,13 @@ class _Items:
 
 
 class ResponsesShape:
-    """``response`` (whole) or the Responses event stream; ``echo``: the request fields the response shows."""
+    """``response`` (whole) or the Responses event stream; ``echo``: the request fields the response shows;
+    ``keep``: stores the finished response (``store``), awaited before the last event is sent."""
 
-    def __init__(self, response_id: str, model: str, parser: ToolCallParser | None, echo: dict[str, Any]) -> None:
+    def __init__(self, response_id: str, model: str, parser: ToolCallParser | None, echo: dict[str, Any],
+                 keep: Keep | None = None) -> None:
         self.id = response_id
+        self.keep = keep
         self.model = model
         self.parser = parser
         self.echo = echo
@@ -114,8 +120,8 @@ class ResponsesShape:
         return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
                 "completed_at": int(time.time()) if status == "completed" else None, "error": error,
                 "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "model": self.model,
-                "output": [dict(item) for item in self.items.items], "previous_response_id": None,
-                "reasoning": {"effort": None, "summary": None}, "store": False, "background": False,
+                "output": [dict(item) for item in self.items.items],
+                "reasoning": {"effort": None, "summary": None}, "store": self.keep is not None, "background": False,
                 "usage": responses_usage(done) if done is not None else None,
                 **{key: self.echo.get(key) for key in ECHOED}}
 
@@ -138,8 +144,8 @@ class ResponsesShape:
         out = b"".join(self.items.add(d) for d in self._finish(done)) + self.items.close(
             "incomplete" if cut else "completed")
         kind = "response.incomplete" if cut else "response.completed"
-        return out + self.items.event(kind, {"response": self._response("incomplete" if cut else "completed", done,
-                                                                         cut=cut)})
+        return out + self.items.event(kind, {"response": await self._kept(self._response(
+            "incomplete" if cut else "completed", done, cut=cut))})
 
     def failed(self, error: errors.ApiError) -> bytes:
         code = error.code or ("server_error" if error.status >= 500 else "invalid_request")
@@ -156,4 +162,10 @@ class ResponsesShape:
             self.items.add(delta)
         cut = done.finish_reason == "length"
         self.items.close("incomplete" if cut else "completed")
-        return self._response("incomplete" if cut else "completed", done, cut=cut)
+        return await self._kept(self._response("incomplete" if cut else "completed", done, cut=cut))
+
+    async def _kept(self, response: dict[str, Any]) -> dict[str, Any]:
+        """``response``, stored first when it is to be; its ``store`` says whether it was."""
+        if self.keep is not None:
+            response["store"] = await self.keep(response)
+        return response
