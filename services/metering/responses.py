@@ -172,10 +172,13 @@ class ResponsesServer:
             await self.bus.respond(raw, reply)
         except Exception as exc:  # NATS away, or the reply is over max_payload
             log.warning("metering: cannot answer %s: %s", raw.subject, exc)
-            if reply.items or reply.response:
-                await self.bus.respond(raw, ResponsesApiReply(
-                    error_status=400, error_message=f"The stored conversation is too large to send back ({exc}): "
-                    "send it whole as input instead.", error_param="previous_response_id", error_code="too_large"))
+            if reply.items or reply.response:  # over max_payload: say so rather than leave the edge waiting
+                try:
+                    await self.bus.respond(raw, ResponsesApiReply(
+                        error_status=400, error_message=f"The stored conversation is too large to send back ({exc}):"
+                        " send it whole as input instead.", error_param="previous_response_id", error_code="too_large"))
+                except Exception as again:
+                    log.warning("metering: cannot answer %s: %s", raw.subject, again)
 
     async def run(self, operation: str, request: ResponsesApiRequest) -> ResponsesApiReply:
         """One operation's answer (OpenAI-shaped errors for what is the caller's); raises when the database is."""
