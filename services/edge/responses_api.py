@@ -23,7 +23,9 @@ Another team's response is the same 404 as an unknown one. A response that faile
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from typing import Any
 
 import msgspec
@@ -37,11 +39,12 @@ from services.edge.http import HttpRequest, Reply
 from services.edge.prep import Peek
 from services.edge.shapes.responses import ResponsesShape
 from shared import errors
-from shared.bus import BusError
+from shared.bus import BusError, NoResponder
 from shared.responses_schema import ResponsesApiReply, ResponsesApiRequest, StoredResponse
 
 log = logging.getLogger("infermesh.edge")
 ASK_TIMEOUT_S = 10.0
+NO_RESPONDER_RETRY_S = 1.0  # how long a request nobody received is asked again
 STORE_TIMEOUT_S = 5.0  # the wait before a response's last event for it to be stored (then it says store: false)
 _ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
@@ -84,12 +87,20 @@ class ResponsesApi:
     async def ask(self, operation: str, request: ResponsesApiRequest, timeout: float = ASK_TIMEOUT_S
                   ) -> ResponsesApiReply:
         bus = self.api.mesh.bus
-        try:
-            reply = await bus.request(bus.subjects.responses_api(operation), request, ResponsesApiReply, timeout)
-        except BusError as exc:
-            raise errors.service_unavailable(f"Stored responses are unavailable: {exc}",
-                                             "responses_unavailable") from exc
-        return _raise_if_error(reply)
+        deadline = time.monotonic() + NO_RESPONDER_RETRY_S
+        while True:
+            try:
+                reply = await bus.request(bus.subjects.responses_api(operation), request, ResponsesApiReply, timeout)
+                return _raise_if_error(reply)
+            except NoResponder as exc:  # nobody got it: metering restarting, or just subscribed; safe to ask again
+                if time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                    continue
+                raise errors.service_unavailable(f"Stored responses are unavailable: {exc}",
+                                                 "responses_unavailable") from exc
+            except BusError as exc:
+                raise errors.service_unavailable(f"Stored responses are unavailable: {exc}",
+                                                 "responses_unavailable") from exc
 
     async def create(self, request: HttpRequest) -> Reply:
         team = request.caller.team

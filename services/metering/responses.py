@@ -143,6 +143,7 @@ class ResponsesServer:
             self._subs.append(await self.bus.subscribe(self.bus.subjects.responses_api(operation),
                                                        ResponsesApiRequest, self._handler(operation),
                                                        queue="metering"))
+        await self.bus.nc.flush()  # from here on an edge's request on any connection finds a responder
         self._sweeper = asyncio.create_task(self._sweep_loop(), name="metering-responses-sweep")
 
     async def stop(self) -> None:

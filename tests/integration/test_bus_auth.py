@@ -415,9 +415,9 @@ async def test_edges_ask_metering_for_stored_responses_and_no_other_role_can(loc
     server = ResponsesServer(metering, engine, 86_400, 3_600)
     await server.start()
     try:
-        reply = await edge.request(edge.subjects.responses_api("get"), ResponsesApiRequest(
-            team="research", response_id="resp_x"), ResponsesApiReply, timeout=10)
-        assert reply.error_status == 404  # asked and answered through the locked bus
+        raw = await request_answered(edge, edge.subjects.responses_api("get"), schema.encode(ResponsesApiRequest(
+            team="research", response_id="resp_x")))
+        assert schema.decode(raw.data, ResponsesApiReply).error_status == 404  # answered through the locked bus
         subject = worker.subjects.responses_api("get")
         await worker.nc.publish(subject, b"forged")
         await locked.wait_for_violation(f'Publish Violation - Subject "{subject}"')

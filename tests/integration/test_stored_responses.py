@@ -7,10 +7,12 @@ import asyncio
 import datetime as dt
 import json
 import time
+from types import SimpleNamespace
 
 import msgspec
 import pytest
 
+from services.edge.responses_api import ResponsesApi
 from services.metering.db import create_engine
 from services.metering.responses import (
     BrokenChain,
@@ -22,6 +24,7 @@ from services.metering.responses import (
     store,
     sweep,
 )
+from shared.errors import ApiError
 from shared.responses_schema import ResponsesApiReply, ResponsesApiRequest, StoredResponse
 
 pytestmark = pytest.mark.integration
@@ -133,6 +136,28 @@ async def test_metering_answers_every_operation_over_nats(engine, bus):
         assert (await ask(bus, "get", team="acme", response_id="resp_3")).error_status == 404
     finally:
         await server.stop()
+
+
+async def test_the_edge_asks_again_while_no_metering_has_subscribed_yet(engine, bus, writer):
+    """A request nobody received is safe to repeat: the edge asks again for a moment (metering restarting, or NATS
+    saying "no responders" just after its subscribe) instead of answering 503 at once."""
+    edge = ResponsesApi(SimpleNamespace(mesh=SimpleNamespace(bus=writer)))  # only its bus is used by ask()
+    server = ResponsesServer(bus, engine, DAY, sweep_s=3600)
+
+    async def start_late() -> None:
+        await asyncio.sleep(0.3)  # the delay is the point: metering comes after the edge's first ask
+        await server.start()
+
+    starting = asyncio.create_task(start_late())
+    try:
+        stored = await edge.ask("store", ResponsesApiRequest(team="acme", record=record("resp_late")))
+        assert stored.error_status == 0 and starting.done()
+    finally:
+        await starting
+        await server.stop()
+    with pytest.raises(ApiError) as away:  # nobody at all: 503 once the moment is over
+        await edge.ask("get", ResponsesApiRequest(team="acme", response_id="resp_late"))
+    assert (away.value.status, away.value.code) == (503, "responses_unavailable")
 
 
 async def test_with_the_database_away_every_operation_answers_503(bus, tmp_path):
