@@ -1,5 +1,6 @@
 """The official TypeScript SDKs (``@anthropic-ai/sdk``, ``openai``, pinned in tests/ts/package.json) against a sim
-mesh: one streamed round trip each, which must equal what the Python SDKs get."""
+mesh: one streamed round trip each (Messages, chat, and a Responses turn continued by ``previous_response_id``), which
+must equal what the Python SDKs get."""
 
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ def installed_sdks() -> Path:
 
 
 @pytest.fixture
-async def mesh(nats_url, namespace, tiny_model):
-    mesh = await start_mesh(nats_url, namespace, tiny_model)
+async def mesh(nats_url, namespace, tiny_model, tmp_path):
+    mesh = await start_mesh(nats_url, namespace, tiny_model, f"sqlite:///{tmp_path}/ledger.db")  # stores responses
     yield mesh
     await mesh.stop()
 
@@ -55,3 +56,21 @@ async def test_a_streamed_round_trip_with_each_typescript_sdk(mesh):
         model="tiny", max_tokens=8, messages=MESSAGES)
     assert seen["openai"]["text"] == chat.choices[0].message.content
     assert seen["openai"]["usage"]["completion_tokens"] == 8
+    await check_the_responses_turn(mesh, seen["responses"])
+
+
+async def check_the_responses_turn(mesh, seen: dict) -> None:
+    events = seen["events"]
+    assert events[:2] == ["response.created", "response.in_progress"] and events[-1] == "response.incomplete"
+    assert events.index("response.output_text.delta") < events.index("response.output_text.done") < events.index(
+        "response.output_item.done")
+    assert seen["first"]["store"] is True and seen["store"] is True
+    assert seen["previous_response_id"] == seen["first"]["id"] and seen["status"] == "incomplete"
+    python = openai.AsyncOpenAI(base_url=mesh.base_url, api_key=KEY, max_retries=0)
+    kept = await python.responses.retrieve(seen["id"])  # what the TS stream made, read back by the Python SDK
+    assert kept.output_text == seen["text"] and kept.usage.output_tokens == seen["usage"]["output_tokens"] == 5
+    tokenizer = await mesh.edge.mesh.tokenizer(mesh.edge.mesh.model_info("tiny"))
+    conversation = tokenizer.apply_chat_template([{"role": "user", "content": "My name is Ada."},
+                                                  {"role": "assistant", "content": seen["first"]["text"]},
+                                                  {"role": "user", "content": "What is my name?"}])
+    assert seen["usage"]["input_tokens"] == len(conversation)  # the stored first turn came before the input

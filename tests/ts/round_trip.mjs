@@ -1,4 +1,5 @@
 // One streamed round trip with each official TypeScript SDK against the mesh (tests/e2e/test_ts_sdks.py).
+// (the Responses turn needs metering in the mesh: it stores the first response)
 // ROOT: the edge's origin (http://host:port), KEY: an API key. Prints one JSON line of what each SDK saw.
 import Anthropic from "@anthropic-ai/sdk";
 import OpenAI from "openai";
@@ -22,8 +23,24 @@ for await (const chunk of chunks) {
   text += chunk.choices[0]?.delta?.content ?? "";
   usage = chunk.usage ?? usage;
 }
+// Responses: a stored first turn, then a streamed turn that continues it by previous_response_id
+const first = await openai.responses.create({ model: "tiny", input: "My name is Ada.", max_output_tokens: 6 });
+const turn = await openai.responses.create({
+  model: "tiny", previous_response_id: first.id, input: "What is my name?", max_output_tokens: 5, stream: true,
+});
+const responseEvents = [];
+let streamed = "";
+let last = null;
+for await (const event of turn) {
+  responseEvents.push(event.type);
+  if (event.type === "response.output_text.delta") streamed += event.delta;
+  if (event.response) last = event.response;
+}
 console.log(JSON.stringify({
   anthropic: { events, text: message.content.map((b) => b.text).join(""), stop_reason: message.stop_reason,
                usage: message.usage },
   openai: { text, usage },
+  responses: { first: { id: first.id, text: first.output_text, store: first.store }, events: responseEvents,
+               text: streamed, id: last.id, previous_response_id: last.previous_response_id,
+               status: last.status, store: last.store, usage: last.usage },
 }));
