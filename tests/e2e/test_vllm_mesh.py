@@ -286,3 +286,38 @@ async def test_anthropic_sdk_messages_on_vllm(mesh, tokenizer):
     calls = [b for b in called.content if b.type == "tool_use"]
     assert called.stop_reason == "tool_use" and [c.name for c in calls] == ["lookup"], called
     assert set(calls[0].input) == {"q"} and isinstance(calls[0].input["q"], str)
+
+
+async def test_openai_sdk_responses_on_vllm(mesh, tokenizer):
+    """The Responses API over vLLM: create equals its stream at temperature 0 with the chat template's prompt, a
+    stored response is continued by previous_response_id, and a forced function call is answered through
+    function_call_output."""
+    client = openai.AsyncOpenAI(base_url=mesh["base_url"], api_key=mesh["key"], max_retries=0)
+    ask = dict(model="tiny", instructions=MESSAGES[0]["content"], input=MESSAGES[1]["content"], max_output_tokens=16,
+               temperature=0)
+    whole = await client.responses.create(**ask)
+    async with client.responses.stream(**ask) as stream:
+        streamed = [event async for event in stream][-1].response
+    assert whole.output_text and streamed.output_text == whole.output_text and whole.store is True
+    assert streamed.status == whole.status in ("completed", "incomplete")
+    for usage in (whole.usage, streamed.usage):
+        assert usage.input_tokens == len(tokenizer.apply_chat_template(MESSAGES))
+        assert usage.output_tokens == whole.usage.output_tokens > 0
+    follow = await client.responses.create(model="tiny", previous_response_id=whole.id, input="And then?",
+                                           max_output_tokens=4, temperature=0)
+    history = [MESSAGES[1], {"role": "assistant", "content": whole.output_text},  # instructions are not carried over
+               {"role": "user", "content": "And then?"}]
+    assert follow.usage.input_tokens == len(tokenizer.apply_chat_template(history))
+
+    tool = {"type": "function", "name": "lookup", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string", "maxLength": 8}}, "required": ["q"],
+        "additionalProperties": False}}
+    called = await client.responses.create(model="tiny", input="Look it up.", tools=[tool], max_output_tokens=64,
+                                           tool_choice={"type": "function", "name": "lookup"})
+    calls = [item for item in called.output if item.type == "function_call"]
+    assert [c.name for c in calls] == ["lookup"] and set(json.loads(calls[0].arguments)) == {"q"}, called
+    answered = await client.responses.create(model="tiny", previous_response_id=called.id, tools=[tool],
+                                             max_output_tokens=4, input=[{"type": "function_call_output",
+                                                                          "call_id": calls[0].call_id,
+                                                                          "output": "42"}])
+    assert answered.previous_response_id == called.id and answered.status in ("completed", "incomplete")
