@@ -12,7 +12,7 @@ a KV read a consumer on ``KV_<bucket>`` or a direct get; JetStream API calls are
 | router    | router.decisions, worker.*.kv_replay/kv_snapshot; replies       | router.route, router.*.explain, |
 |           |                                                                 | router.decisions, kv.*, load.*  |
 | admission | replies (lease grants); the usage stream's info (last sequence) | admission.*                     |
-|           | edge.*.revoked (a batch lease taken back)                       |                                 |
+|           | edge.*.revoked (a batch lease taken back), edge.*.ping (gone?)  |                                 |
 | breaker   | breaker.transitions                                             | outcome.*                       |
 | metering  | acks on the usage stream, usage_dlq (dead letters, JetStream);  | metering.keys_changed, usage    |
 |           | replies (stored responses)                                      | (durable consumer),             |
@@ -37,7 +37,7 @@ cannot list or read another team's jobs.
 | edge      | edges (heartbeats)   | workers, breakers, api_keys |
 | router    | sessions, breakers   | workers                     |
 |           | (probe permits)      |                             |
-| admission | leases               | workers, billing            |
+| admission | leases               | workers, billing, edges     |
 | breaker   | breakers             | workers                     |
 | metering  | api_keys, billing    | —                           |
 | worker    | workers (heartbeats) | edges                       |
@@ -198,7 +198,7 @@ def _grants(role: Role, s: Subjects) -> tuple[tuple[str, ...], tuple[str, ...], 
     if role is Role.ADMISSION:
         # the usage stream's last sequence: how far the ledger must get before a lapsed lease's hold clears
         return ((*kv_reads(s.workers_bucket), *kv_reads(s.billing_bucket), *kv_writes(s.leases_bucket),
-                 f"{JS}.STREAM.INFO.{s.usage_stream}", f"{edge}.revoked"),
+                 *kv_reads(s.edges_bucket), f"{JS}.STREAM.INFO.{s.usage_stream}", f"{edge}.revoked", f"{edge}.ping"),
                 (f"{ns}.admission.*",), frozenset({s.leases_bucket}), True)
     if role is Role.BREAKER:
         return ((s.breaker_transitions, *kv_reads(s.workers_bucket), *kv_writes(s.breakers_bucket)),

@@ -27,6 +27,8 @@ class AdmissionConfig(BusConfig):
 
     admission_id: str = ""  # default: a random id per process
     lease_ttl_s: float = 10.0  # a lease not renewed for this long lapses (its holder died)
+    # an edge that leaves the edges bucket is pinged; silent this long, its leases lapse at once (not at their TTL)
+    edge_probe_timeout_s: float = 2.0
     leader_ttl_s: float = 3.0  # a leader that stops renewing for this long is replaced
     admit_fraction: float = 0.9  # share of the workers' KV the pool admits at once
     concurrency_per_worker: int = 0  # requests at once per serving worker (0: no limit)
@@ -37,6 +39,7 @@ class AdmissionConfig(BusConfig):
     tick_s: float = 0.05
 
     def __post_init__(self) -> None:
-        assert self.lease_ttl_s > 0 and self.leader_ttl_s >= 1 and 0 < self.admit_fraction <= 1
+        assert self.lease_ttl_s > 0 and self.edge_probe_timeout_s > 0 and self.leader_ttl_s >= 1
+        assert 0 < self.admit_fraction <= 1
         assert self.concurrency_per_worker >= 0 and 0 <= self.batch_share <= 1 and self.max_queue >= 0
         parse_teams(self.teams)

@@ -2,7 +2,8 @@
 
 A request asks for a lease on the KV it may need (prompt + max_tokens, in tokens) before it is
 routed; it holds the lease while it runs and releases it at the end. A lease not renewed within
-its TTL lapses, so a dead holder's capacity comes back on its own::
+its TTL lapses, so a dead holder's capacity comes back on its own (sooner when the caller learns the holder
+is gone: ``lapse_holder``)::
 
     acquire(team, class, tokens)
       -> Reject  the request can never fit | the team is at its concurrency or tokens-per-minute
@@ -178,6 +179,17 @@ class Ledger:
             return []
         self._return(lease)
         return self._drain(now)
+
+    def lapse_holder(self, holder: str, now: float) -> list[str]:
+        """Its holder is gone (its edge left and does not answer): its leases lapse at the next ``tick``, as if
+        their TTL had run out, instead of holding capacity until it does. The lapsed lease ids."""
+        lapsed = []
+        for held in (self.leases, self.revoked):
+            for lease in [lease for lease in held.values() if lease.holder == holder and lease.expires_at > now]:
+                held[lease.lease_id] = Lease(lease.lease_id, lease.team, lease.klass, lease.tokens, lease.holder,
+                                             now, lease.granted_at)
+                lapsed.append(lease.lease_id)
+        return lapsed
 
     def cancel(self, ticket: str) -> bool:
         """A waiter that left (its client went away)."""

@@ -36,6 +36,7 @@ from opentelemetry import trace
 
 from services.admission.budgets import Budgets, HoldChanges, OverBudget
 from services.admission.config import AdmissionConfig, parse_teams
+from services.admission.holders import GoneHolders
 from services.admission.leader import Leadership
 from services.admission.ledger import Grant, Lease, Ledger, PoolLimits, Reject, Wait, Waiter
 from services.admission.store import LeaseStore
@@ -80,6 +81,7 @@ class AdmissionService:
         self.bus = bus
         self.admission_id = config.admission_id or f"a-{uuid.uuid4().hex[:8]}"
         self.directory = WorkerDirectory(bus)
+        self.holders = GoneHolders(bus, self._holder_gone, config.edge_probe_timeout_s)
         self.teams = parse_teams(config.teams)
         self.ledgers: dict[str, Ledger] = {}
         self.models: dict[str, str] = {}  # lease id -> model
@@ -113,6 +115,7 @@ class AdmissionService:
         self.directory.on_added.append(lambda _info: self._capacity_changed())
         self.directory.on_removed.append(lambda _id: self._capacity_changed())
         await self.directory.start()
+        await self.holders.start()
         await self._follow_billing()
         await self.leadership.start()
 
@@ -121,6 +124,7 @@ class AdmissionService:
         if self._background:  # grants being written and answered
             await asyncio.wait(self._background, timeout=5)
         await self._billing.stop()
+        await self.holders.stop()
         await self.directory.stop()
 
     async def _follow_billing(self) -> None:
@@ -195,6 +199,15 @@ class AdmissionService:
         for model, ledger in self.ledgers.items():
             for grant in ledger.set_pool(self._pool(model), now):
                 self._grant(model, grant)
+
+    def _holder_gone(self, edge_id: str) -> None:
+        """An edge left the edges bucket and does not answer: its leases lapse at the next tick, not at their
+        TTL (``holders.py``). A replica that is not the leader holds no ledgers: nothing to do."""
+        now = time.time()
+        lapsed = [lease_id for ledger in self.ledgers.values() for lease_id in ledger.lapse_holder(edge_id, now)]
+        if lapsed:
+            self.stats["holder_gone"] += len(lapsed)
+            log.warning("edge %s is gone: its %d leases lapse now", edge_id, len(lapsed))
 
     # ------------------------------------------------------------ requests
     async def _on_acquire(self, request: LeaseRequest, raw: Msg) -> None:

@@ -224,3 +224,26 @@ def test_cancel_removes_a_waiter():
     ask(book, "hold", 100)
     ask(book, "w", 10)
     assert book.cancel("w") and not book.cancel("w") and book.release("hold", 1.0) == []
+
+
+def test_a_gone_holders_leases_lapse_at_the_next_tick_and_no_one_elses():
+    book = ledger(ttl=10.0)
+    book.acquire(0.0, "mine", "a", INTERACTIVE, 50, "edge-dead", 30.0)
+    book.acquire(0.0, "mine-batch", "a", BATCH, 20, "edge-dead", 30.0)
+    book.acquire(0.0, "theirs", "a", INTERACTIVE, 30, "edge-alive", 30.0)
+    assert isinstance(book.acquire(1.0, "waiter", "b", INTERACTIVE, 40, "edge-alive", 30.0), Wait)
+    assert sorted(book.lapse_holder("edge-dead", 2.0)) == ["mine", "mine-batch"]
+    assert book.lapse_holder("edge-dead", 2.0) == []  # already lapsing: not counted twice
+    assert sorted(book.expired(2.0)) == ["mine", "mine-batch"]
+    grants, _ = book.tick(2.0)  # long before their TTL (10 s)
+    assert [g.lease.lease_id for g in grants] == ["waiter"]
+    assert set(book.leases) == {"theirs", "waiter"} and book.used_tokens == 70
+
+
+def test_a_holder_found_alive_after_all_renews_what_was_lapsing():
+    book = ledger(ttl=10.0)
+    book.acquire(0.0, "l1", "a", INTERACTIVE, 50, "edge-slow", 30.0)
+    book.lapse_holder("edge-slow", 2.0)
+    assert book.renew("l1", 2.0).expires_at == 12.0  # its renewal came before the tick: it holds on
+    book.tick(2.0)
+    assert set(book.leases) == {"l1"}
