@@ -142,12 +142,14 @@ class SuperclusterPlan:
 
 def plan_supercluster(cluster_names: Sequence[str], servers_per_cluster: int, folder: Path, *,
                       witness: bool = True, ping_interval_s: float | None = None, host: str = "127.0.0.1",
-                      ports: Callable[[int], list[int]] | None = None) -> SuperclusterPlan:
+                      ports: Callable[[int], list[int]] | None = None,
+                      hosts: Sequence[str] | None = None) -> SuperclusterPlan:
     """Names, ports (``ports(n)``: n distinct ones; default free ones) and store folders for
     ``servers_per_cluster`` servers per cluster.
 
     ``witness`` adds a one-server cluster named ``witness`` that serves no deployment and only votes in the
-    JetStream meta group (leave it out with three deployments or more: any two then hold the quorum)."""
+    JetStream meta group (leave it out with three deployments or more: any two then hold the quorum).
+    ``hosts``: each server's own address, in order (servers on separate hosts); else all on ``host``."""
     names = list(cluster_names)
     if not names or len(names) != len(set(names)):
         raise ValueError(f"cluster names must be distinct and at least one: {names}")
@@ -159,10 +161,14 @@ def plan_supercluster(cluster_names: Sequence[str], servers_per_cluster: int, fo
     if servers_per_cluster < 1:
         raise ValueError(f"servers_per_cluster must be at least 1, not {servers_per_cluster}")
     sizes = [(name, servers_per_cluster) for name in names] + ([(WITNESS, 1)] if witness else [])
-    numbers = iter((ports or free_ports)(4 * sum(size for _, size in sizes)))
+    total = sum(size for _, size in sizes)
+    if hosts is not None and len(hosts) != total:
+        raise ValueError(f"{len(hosts)} hosts for {total} servers")
+    numbers = iter((ports or free_ports)(4 * total))
+    addresses = iter(hosts or [host] * total)
     clusters = tuple(
         (name, tuple(ServerSpec(f"{name}-{i}", name, ServerPorts(*(next(numbers) for _ in range(4))),
-                                folder / "store" / f"{name}-{i}", host) for i in range(size)))
+                                folder / "store" / f"{name}-{i}", next(addresses)) for i in range(size)))
         for name, size in sizes)
     return SuperclusterPlan(folder, clusters, ping_interval_s)
 

@@ -22,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from infermesh.nats_topology import ServerSpec, SuperclusterPlan, plan_supercluster
 from infermesh.processes import ProcessGroup, nats_server_binary
@@ -36,8 +36,10 @@ class SuperclusterError(RuntimeError):
 class Supercluster:
     """The plan's nats-servers as child processes: start, kill and restart whole clusters or single servers."""
 
-    def __init__(self, plan: SuperclusterPlan) -> None:
+    def __init__(self, plan: SuperclusterPlan, prefix: Callable[[ServerSpec], list[str]] = lambda _server: []) -> None:
+        """``prefix(server)``: what goes before that server's command (``ip netns exec <its host>``)."""
         self.plan = plan
+        self._prefix = prefix
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._group = ProcessGroup(plan.folder)
 
@@ -120,7 +122,8 @@ class Supercluster:
             server.store_dir.mkdir(parents=True, exist_ok=True)
             # ProcessGroup's children log to <folder>/<name>.log and die with the thread that started them
             # (PR_SET_PDEATHSIG is per thread): start servers from a thread that lives as long as they should
-            child = self._group.spawn(server.name, [nats_server_binary(), "-c", str(self.plan.config_path(server))])
+            child = self._group.spawn(server.name, [*self._prefix(server), nats_server_binary(), "-c",
+                                                    str(self.plan.config_path(server))])
             self._procs[server.name] = child.popen
             started.append(server)
         for server in started:

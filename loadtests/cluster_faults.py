@@ -1,8 +1,10 @@
 """A node lost and nothing lost (issue 19.4): the mesh spread over a 3-server NATS cluster (R3 streams and
 buckets; 2 edges, 2 routers, 2 admission, 2 breakers, 2 metering, 4 sim workers: loadtests/lib/cluster_mesh.py)
-under streamed and plain load, ledger on Postgres. First the NATS server leading the usage stream is SIGKILLed;
-then one replica of each service, one after another (a worker, a metering, a breaker, a router, the admission
-leader, an edge). Clients retry what fails (a closed loop sends the next request).
+under streamed and plain load, ledger on Postgres. Three hosts: each server with its services in a network
+namespace of its own (``--hosts netns``, the default where root can make them), or all on loopback. First the
+NATS server leading the usage stream is SIGKILLed; then one replica of each service, one after another (a worker,
+a metering, a breaker, a router, the admission leader, an edge). Clients retry what fails (a closed loop sends the
+next request).
 
 Reported per phase (before, after the NATS kill, after the replica kills): requests, finished, client errors by
 kind, hung (must be 0), usage shown to clients against the ledger's rows (lost and doubled must be 0), streams
@@ -19,20 +21,36 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Awaitable
 
 from loadtests.faults import _create_database, _drop_database
 from loadtests.lib.cluster_mesh import KEY, MODEL, ClusterMesh
 from loadtests.lib.cluster_report import recovery_s, write_report
 from loadtests.lib.faults_load import Load, first_success_after
 from loadtests.lib.faults_report import ledger_rows, phase_report
+from loadtests.lib.netns_hosts import NetnsHosts, netns_available
 
 
 def _say(message: str) -> None:
     print(f"cluster_faults: {message}", file=sys.stderr, flush=True)
+
+
+def _on_signals(main: asyncio.Task) -> None:
+    """SIGTERM stops the run through its ``finally`` (the hosts, servers and services go); SIGUSR1 prints where
+    every task of the run waits (a run that seems stuck says where)."""
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, main.cancel)
+
+    def dump() -> None:
+        for task in asyncio.all_tasks(loop):
+            _say(f"task {task.get_name()}:")
+            task.print_stack(limit=12, file=sys.stderr)
+    loop.add_signal_handler(signal.SIGUSR1, dump)
 
 
 async def _sample(mesh: ClusterMesh, samples: list[dict], t0: float) -> None:
@@ -48,6 +66,15 @@ async def _sample(mesh: ClusterMesh, samples: list[dict], t0: float) -> None:
             await asyncio.sleep(0.25)
     finally:
         await bus.close()
+
+
+async def _within(step: Awaitable, limit_s: float, what: str) -> None:
+    """A step that must end: past ``limit_s`` the run fails loudly, naming it (a run stuck for ~6 minutes once,
+    in a step it could not name; SIGUSR1 prints every task's stack)."""
+    try:
+        await asyncio.wait_for(step, limit_s)
+    except asyncio.TimeoutError:
+        raise RuntimeError(f"{what} did not end within {limit_s:g} s") from None
 
 
 async def _until_metered(mesh: ClusterMesh, limit_s: float = 120.0) -> float:
@@ -83,9 +110,11 @@ async def run(args: argparse.Namespace) -> dict:
 
     state = Path(tempfile.mkdtemp(prefix="im-cluster-"))
     db_name, database_url = await _create_database(args.postgres_admin_url)
-    mesh = ClusterMesh(state, make_tiny_llama(state / "tiny"), database_url, kv_blocks=args.kv_blocks)
+    hosts = NetnsHosts(3) if args.hosts == "netns" else None
+    mesh = ClusterMesh(state, make_tiny_llama(state / "tiny"), database_url, kv_blocks=args.kv_blocks, hosts=hosts)
     kills: list[dict] = []
     samples: list[dict] = []
+    _on_signals(asyncio.current_task())
     try:
         started = time.monotonic()
         await mesh.start()
@@ -117,13 +146,16 @@ async def run(args: argparse.Namespace) -> dict:
         first = await first_success_after(mesh.base_url, KEY, MODEL, last_at, 60)
         kills.append({"what": "one replica of each service", "victims": victims, "t": killed_at - t0,
                       "last_t": last_at - t0, "first_success_s": first})  # (after the last kill)
+        _say(f"first success {first}s after the last kill")
         await asyncio.sleep(args.after_s)
         load.stop()
-        await driver
+        await _within(driver, args.hang_s + 15, "the clients' last requests")
         sampler.cancel()
-        await asyncio.gather(sampler, return_exceptions=True)
+        await _within(asyncio.gather(sampler, return_exceptions=True), 15, "the sampler's stop")
+        _say(f"load stopped; waiting {args.settle_s:g} s for orphan reports, then for metering")
         await asyncio.sleep(args.settle_s)  # orphan reports of the killed edge reach a surviving one, and are billed
         metered_s = await _until_metered(mesh)
+        _say(f"metered after {metered_s:.1f} s; reading the ledger")
         rows = await ledger_rows(database_url, settle_s=2.0)
     finally:
         mesh.stop()
@@ -140,7 +172,7 @@ async def run(args: argparse.Namespace) -> dict:
     for kill in kills:
         kill["throughput_back_s"] = recovery_s(load.outcomes, t0, kill.get("last_t", kill["t"]), bounds[1])
     leased = [s["leased_tokens"] for s in samples if "leased_tokens" in s]
-    return {"command": "python -m loadtests.cluster_faults " + " ".join(args.argv),
+    return {"command": "python -m loadtests.cluster_faults " + " ".join(args.argv), "hosts": args.hosts,
             "concurrency": args.concurrency, "max_tokens": args.max_tokens, "capacity_tokens": mesh.capacity_tokens,
             "max_leased_tokens": max(leased, default=0), "metered_after_s": metered_s, "samples": samples,
             "kills": kills, "phases": phases, "unbilled_cut_streams": unbilled,
@@ -176,9 +208,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--postgres-admin-url", default=os.environ.get(
         "INFERMESH_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres"))
     parser.add_argument("--keep-database", action="store_true")
+    parser.add_argument("--hosts", choices=("netns", "loopback"), default="",
+                        help="each NATS server and its services in a network namespace of its own (netns: root "
+                             "and iproute2), or all on the machine's loopback; default netns where it works")
     parser.add_argument("--out", default="", help="write cluster_faults.{json,png,md} here")
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
+    if not args.hosts:
+        why = netns_available()
+        args.hosts = "loopback" if why else "netns"
+        if why:
+            _say(f"hosts on loopback: {why}")
     report = asyncio.run(run(args))
     report["failed"], report["unrecovered"] = failed(report), unrecovered(report)
     summary = {k: v for k, v in report.items() if k not in ("samples", "timeline")}

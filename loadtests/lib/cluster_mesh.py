@@ -1,21 +1,30 @@
-"""A mesh spread over a 3-server NATS cluster on this machine (issue 19's cluster test): each service replica
-connects to one server, the replicas of a service to different ones, as on three hosts.
+"""A mesh spread over a 3-server NATS cluster on this machine (issue 19's cluster test): three hosts, each a NATS
+server and the service replicas beside it; each replica connects to its host's server, the replicas of a service
+live on different hosts.
 
-    | server | services                                                        |
+    | host   | services                                                        |
     |--------|-----------------------------------------------------------------|
     | c-0    | admission-0, breaker-0, metering-1, worker-0, worker-3, edge-0  |
     | c-1    | admission-1, router-0, worker-1, edge-1                         |
     | c-2    | breaker-1, router-1, metering-0, worker-2                       |
 
-    with ClusterMesh(folder, model_path, database_url) as mesh:   # started, provisioned (R3), ready
-        mesh.kill_nats("c-1")          # SIGKILL: its clients move to the other two
-        mesh.kill("edge-1")            # SIGKILL one replica
-        await mesh.leased_tokens()     # what admission's leases hold now
+    mesh = ClusterMesh(folder, model_path, database_url, hosts=NetnsHosts(3))
+    await mesh.start()                 # hosts made, servers started, provisioned (R3), every replica ready
+    mesh.kill_nats("c-1")              # SIGKILL: its clients move to the other two
+    mesh.kill("edge-1")                # SIGKILL one replica
+    await mesh.leased_tokens(bus)      # what admission's leases hold now
+    mesh.stop()
+
+Hosts: with ``hosts`` (``loadtests/lib/netns_hosts.py``), each host is a network namespace of its own, reached
+over a bridge: its server listens on the host's address, its services reach the other hosts' servers only over
+the bridge, and the ledger's Postgres (on the machine's loopback) through a forwarder on the bridge. Without,
+every host is the machine's loopback (one address, ports apart). The two edges sit behind one port
+(``base_url``) on the machine, as behind a load balancer: a layer-4 balancer (``tcp_balancer.py``) hands each
+connection to the next edge that accepts it, so a connection lost with one edge is made again to the other.
 
 The bus is open here (a cluster's routes and locked users are tested apart: test_bus_auth, test_replication).
 Every stream and bucket has three copies (INFERMESH_STREAM_REPLICAS=3), provisioned before any service starts.
-The two edges share one port (SO_REUSEPORT), as behind a load balancer: a connection lost with one edge is made
-again to the other. Sim workers get a small KV (``kv_blocks`` x 16 tokens) so admission's capacity binds.
+Sim workers get a small KV (``kv_blocks`` x 16 tokens) so admission's capacity binds.
 """
 
 from __future__ import annotations
@@ -25,7 +34,9 @@ import json
 import os
 import secrets
 import signal
+import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -33,6 +44,8 @@ from infermesh.bus_auth import provision
 from infermesh.nats_topology import plan_supercluster
 from infermesh.processes import ProcessGroup
 from infermesh.supercluster import Supercluster
+from loadtests.lib.netns_hosts import NetnsHosts
+from loadtests.lib.tcp_balancer import TcpBalancer
 from shared import schema
 from shared.bus import Bus
 from shared.kv_keys import live_keys
@@ -51,12 +64,13 @@ ADMIT_FRACTION = 0.9  # admission's default: the share of the workers' KV it lea
 Replica = tuple[str, str, int, list[str]]  # name, module, server index, arguments
 
 
-def layout(model_path: Path, database_url: str, http_port: int, kv_blocks: int) -> list[Replica]:
-    """(name, module, server index, arguments) of every replica."""
+def layout(model_path: Path, database_url: str, edge_hosts: tuple[str, str], edge_port: int,
+           kv_blocks: int) -> list[Replica]:
+    """(name, module, host index, arguments) of every replica."""
     sim = ["--engine", "sim", "--model", MODEL, "--model-path", str(model_path), "--sim-itl-ms", "10",
            "--block-size", str(BLOCK), "--num-kv-blocks", str(kv_blocks)]
     meter = ["--database-url", database_url, "--billing-port", "-1"]
-    edge = ["--host", "127.0.0.1", "--http-port", str(http_port), "--reuse-port"]
+    edge = ["--http-port", str(edge_port), "--reuse-port"]  # (on one host, the two share the port)
     return [
         ("admission-0", "services.admission", 0, ["--admission-id", "admission-0"]),
         ("admission-1", "services.admission", 1, ["--admission-id", "admission-1"]),
@@ -65,20 +79,30 @@ def layout(model_path: Path, database_url: str, http_port: int, kv_blocks: int) 
         ("router-1", "services.router", 2, ["--router-id", "router-1"]),
         ("metering-0", "services.metering", 2, meter), ("metering-1", "services.metering", 0, meter),
         *((f"worker-{i}", "services.worker", i % 3, ["--worker-id", f"sim-{i}", *sim]) for i in range(4)),
-        ("edge-0", "services.edge", 0, edge), ("edge-1", "services.edge", 1, edge),
+        ("edge-0", "services.edge", 0, ["--host", edge_hosts[0], *edge]),
+        ("edge-1", "services.edge", 1, ["--host", edge_hosts[1], *edge]),
     ]
 
 
 class ClusterMesh:
-    def __init__(self, folder: Path, model_path: Path, database_url: str, kv_blocks: int = 16) -> None:
-        self.folder, self.kv_blocks = folder, kv_blocks
-        self.http_port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.http_port}/v1"
-        self.cluster = Supercluster(plan_supercluster(["c"], 3, folder / "nats", witness=False))
+    def __init__(self, folder: Path, model_path: Path, database_url: str, kv_blocks: int = 16,
+                 hosts: NetnsHosts | None = None) -> None:
+        self.folder, self.kv_blocks, self.hosts = folder, kv_blocks, hosts
+        self.edge_port = free_port()
+        self.base_url = ""  # the balancer's, once started
+        addresses = [hosts.address(i) if hosts else "127.0.0.1" for i in range(3)]
+        self.cluster = Supercluster(plan_supercluster(["c"], 3, folder / "nats", witness=False, hosts=addresses),
+                                    lambda server: self._prefix(int(server.name.rpartition("-")[2])))
         self.group = ProcessGroup(folder / "logs")
-        self.replicas = layout(model_path, database_url, self.http_port, kv_blocks)
+        self.edges = [(addresses[0], self.edge_port), (addresses[1], self.edge_port)]
+        self.database_url = database_url
+        self.replicas = layout(model_path, database_url, (addresses[0], addresses[1]), self.edge_port, kv_blocks)
         self.children: dict[str, object] = {}
         self.edge_secret = secrets.token_hex(16)
+        self._balancers: list[TcpBalancer] = []
+
+    def _prefix(self, host: int) -> list[str]:
+        return self.hosts.prefix(host) if self.hosts else []
 
     @property
     def servers(self) -> list[str]:
@@ -86,14 +110,17 @@ class ClusterMesh:
 
     def url(self, index: int) -> str:
         """Server ``index`` first, then the others: a replica connects to its own and learns the rest."""
-        urls = [f"nats://127.0.0.1:{s.ports.client}" for s in self.cluster.plan.servers("c")]
-        return urls[index]
+        return self.cluster.plan.servers("c")[index].url
 
     @property
     def capacity_tokens(self) -> int:
         return int(4 * self.kv_blocks * BLOCK * ADMIT_FRACTION)
 
     async def start(self, timeout_s: float = 120.0) -> None:
+        if self.hosts:
+            await asyncio.to_thread(self.hosts.start)
+            self._reach_postgres(await self._balancer(self.hosts.gateway, [_host_port(self.database_url)]))
+        self.base_url = f"http://127.0.0.1:{(await self._balancer('127.0.0.1', self.edges)).port}/v1"
         await asyncio.to_thread(self.cluster.start)
         previous = os.environ.get(REPLICAS_ENV)
         os.environ[REPLICAS_ENV] = "3"  # for provisioning here only (each service is given it in its own env)
@@ -108,8 +135,23 @@ class ClusterMesh:
             env = {"INFERMESH_NATS_URL": self.url(server), "INFERMESH_NAMESPACE": NAMESPACE, REPLICAS_ENV: "3"}
             if module == "services.edge":
                 env |= {"INFERMESH_DEV_KEY": KEY, "INFERMESH_EDGE_SECRET": self.edge_secret}
-            self.children[name] = self.group.python_service(name, module, args, env)
+            self.children[name] = self.group.spawn(name, [*self._prefix(server), sys.executable, "-m", module, *args],
+                                                   env)
         await self.wait_ready(timeout_s)
+
+    async def _balancer(self, host: str, targets: list[tuple[str, int]]) -> TcpBalancer:
+        balancer = TcpBalancer(host, targets)
+        await balancer.start()
+        self._balancers.append(balancer)
+        return balancer
+
+    def _reach_postgres(self, forwarder: TcpBalancer) -> None:
+        """Metering's database URL through the forwarder on the bridge (Postgres listens on loopback only)."""
+        url = urllib.parse.urlsplit(self.database_url)
+        netloc = f"{url.netloc.rpartition('@')[0]}@{forwarder.listen_host}:{forwarder.port}".lstrip("@")
+        moved = urllib.parse.urlunsplit(url._replace(netloc=netloc))
+        self.replicas = [(name, module, host, [moved if arg == self.database_url else arg for arg in args])
+                         for name, module, host, args in self.replicas]
 
     async def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -122,12 +164,7 @@ class ClusterMesh:
             await asyncio.sleep(0.2)
 
     def _ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/ready", timeout=2) as response:
-                status = json.loads(response.read())
-            return status.get("status") == "ready" and int(status.get("workers", 0)) >= 4
-        except Exception:
-            return False
+        return all(_edge_ready(host, port) for host, port in self.edges)
 
     def kill_nats(self, server: str) -> None:
         self.cluster.kill_server(server)
@@ -173,3 +210,21 @@ class ClusterMesh:
     def stop(self) -> None:
         self.group.stop()
         self.cluster.stop()
+        for balancer in self._balancers:
+            balancer.close()
+        if self.hosts:
+            self.hosts.stop()
+
+
+def _edge_ready(host: str, port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/ready", timeout=2) as response:
+            status = json.loads(response.read())
+        return status.get("status") == "ready" and int(status.get("workers", 0)) >= 4
+    except Exception:
+        return False
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    parts = urllib.parse.urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port or 5432

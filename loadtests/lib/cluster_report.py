@@ -83,6 +83,8 @@ def _plot(report: dict, path: Path) -> None:
         axis.legend(fontsize=8, loc="lower left")
     for kill in report["kills"]:
         top.text(kill["t"], top.get_ylim()[1] * 0.95, " " + kill["what"], color="red", fontsize=8, va="top")
-    fig.suptitle("A mesh on a 3-server NATS cluster: a server, then one replica of each service, SIGKILLed")
+    hosts = {"netns": "3 hosts (network namespaces)", "loopback": "one loopback"}.get(report.get("hosts", ""), "")
+    fig.suptitle(f"A mesh on a 3-server NATS cluster, {hosts}: a server, then one replica of each service, "
+                 "SIGKILLed")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -45,6 +45,18 @@ def test_ping_interval_and_no_witness(tmp_path: Path):
     assert (config["ping_interval"], config["ping_max"]) == ("500ms", 2)
 
 
+def test_servers_on_hosts_of_their_own_listen_and_route_on_their_addresses(tmp_path: Path):
+    hosts = ["10.0.0.10", "10.0.0.11", "10.0.0.12"]
+    plan = plan_supercluster(["c"], 3, tmp_path, witness=False, ports=counting(), hosts=hosts)
+    assert [s.host for s in plan.servers()] == hosts
+    config = plan.config(plan.server("c-1"))
+    assert config["listen"] == f"10.0.0.11:{plan.server('c-1').ports.client}"
+    assert config["cluster"]["routes"] == [s.route_url for s in plan.servers()]
+    assert plan.server("c-2").url.startswith("nats://10.0.0.12:")
+    with pytest.raises(ValueError, match="2 hosts for 3 servers"):
+        plan_supercluster(["c"], 3, tmp_path, witness=False, ports=counting(), hosts=hosts[:2])
+
+
 @pytest.mark.parametrize("names, servers, message", [
     ([], 1, "at least one"),
     (["east", "east"], 1, "distinct"),
