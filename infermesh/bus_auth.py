@@ -25,6 +25,7 @@ from infermesh.bus_roles import Role, buckets, permissions
 from infermesh.private_files import data_dir, write_private
 from infermesh.processes import ProcessGroup
 from infermesh.team_bus_users import load_team_secrets, record_running, server_users
+from shared.bus_limits import MAX_PAYLOAD_BYTES
 from shared.nats_auth import NatsCredentials
 from shared.ports import free_port, wait_for_port
 from shared.subjects import Subjects
@@ -84,6 +85,7 @@ def server_config(port: int, store_dir: Path, subjects: Subjects, secrets: dict[
     bus user (infermesh/team_bus_users.py), TLS if given."""
     config: dict[str, object] = {
         "listen": f"{host}:{port}",
+        "max_payload": MAX_PAYLOAD_BYTES,  # a long prompt's generate request (shared/bus_limits.py)
         "jetstream": {"store_dir": str(store_dir)},
         "authorization": {"users": [
             *({"user": role.value, "password": secrets[role],

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from shared.bus_limits import MAX_PAYLOAD_BYTES
+
 WITNESS = "witness"
 
 
@@ -122,6 +124,7 @@ class SuperclusterPlan:
         config: dict[str, object] = {
             "server_name": server.name,
             "listen": f"{server.host}:{server.ports.client}",
+            "max_payload": MAX_PAYLOAD_BYTES,
             "http": f"{server.host}:{server.ports.monitor}",
             "jetstream": {"store_dir": str(server.store_dir)},
             "cluster": {"name": server.cluster, "listen": f"{server.host}:{server.ports.route}", "routes": routes},

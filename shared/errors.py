@@ -51,6 +51,12 @@ def context_length_exceeded(max_len: int, num_prompt: int, num_completion: int |
                     "invalid_request_error", "messages", "context_length_exceeded")
 
 
+def prompt_too_large_for_bus(num_prompt: int, need_bytes: int, limit_bytes: int, param: str) -> ApiError:
+    return ApiError(400, f"The prompt's {num_prompt} tokens take {need_bytes} bytes on the mesh's bus, over its limit "
+                    f"of {limit_bytes} bytes (the NATS server's max_payload). Please reduce the length of the prompt, "
+                    "or raise max_payload on the NATS servers.", "invalid_request_error", param, "prompt_too_large")
+
+
 def service_unavailable(message: str, code: str = "service_unavailable", retry_after_s: int = 1) -> ApiError:
     return ApiError(503, message, "server_error", None, code, {"Retry-After": str(retry_after_s)})
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import time
 from functools import lru_cache
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Callable, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct
 
+from shared import token_pack
 from shared.batch_schema import MAX_BATCH_ID
 
 Role = Literal["both", "prefill", "decode"]
@@ -590,21 +591,64 @@ class KvSnapshot(Struct, frozen=True):
 
 # ---------------------------------------------------------------- codec
 T = TypeVar("T")
-_encoder = msgspec.msgpack.Encoder()
+# Token id lists that go packed on the wire (shared/token_pack.py): a long prompt is most of its message.
+PACKED_TOKEN_FIELDS: dict[type, tuple[str, ...]] = {GenerateRequest: ("prompt_token_ids", "output_token_ids")}
+
+
+class _Packed:
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+
+def _enc_hook(value: object) -> object:
+    if isinstance(value, _Packed):
+        return token_pack.pack(value.ids)
+    raise NotImplementedError(f"cannot encode {type(value).__name__}")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 
 
 def encode(message: Struct) -> bytes:
+    packed = PACKED_TOKEN_FIELDS.get(type(message))
+    if packed:
+        message = msgspec.structs.replace(message, **{f: _Packed(getattr(message, f)) for f in packed})
     return _encoder.encode(message)
 
 
+def _wire_twin(kind: type) -> type:
+    """``kind`` as it is on the wire: the same fields, in the same order, with the packed ones as bytes."""
+    packed = PACKED_TOKEN_FIELDS[kind]
+    fields = []
+    for f in msgspec.structs.fields(kind):
+        default = f.default if f.default is not msgspec.NODEFAULT else msgspec.field(default_factory=f.default_factory)
+        annotation = bytes if f.name in packed else f.type
+        fields.append((f.name, annotation) if f.required else (f.name, annotation, default))
+    return msgspec.defstruct(f"{kind.__name__}Wire", fields, frozen=True)
+
+
 @lru_cache(maxsize=None)
-def _decoder(kind: object) -> msgspec.msgpack.Decoder:
-    return msgspec.msgpack.Decoder(kind)
+def _decoder(kind: object) -> Callable[[bytes], Any]:
+    if kind in PACKED_TOKEN_FIELDS:
+        wire, packed = msgspec.msgpack.Decoder(_wire_twin(kind)), PACKED_TOKEN_FIELDS[kind]  # type: ignore[index]
+
+        def unpacking(data: bytes) -> Any:
+            message = wire.decode(data)
+            try:
+                ids = {f: token_pack.unpack(getattr(message, f)) for f in packed}
+            except ValueError as exc:
+                raise msgspec.ValidationError(str(exc)) from None
+            values = {f.name: getattr(message, f.name) for f in msgspec.structs.fields(message)}
+            return kind(**{**values, **ids})  # type: ignore[operator]
+        return unpacking
+    return msgspec.msgpack.Decoder(kind).decode
 
 
 def decode(data: bytes, kind: type[T]) -> T:
     """Decode ``data`` as ``kind`` (a Struct type or a union of tagged Structs)."""
-    return _decoder(kind).decode(data)
+    return _decoder(kind)(data)
 
 
 def now() -> float:

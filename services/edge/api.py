@@ -35,9 +35,9 @@ from services.edge.shapes import Shape
 from services.edge.shapes.chat import ChatShape
 from services.edge.tokenizer import ModelTokenizer
 from services.edge.tools import ToolCallParser, ToolLimits, make_parser
-from shared import errors
+from shared import bus_limits, errors, schema
 from shared.metrics import GenAiServerMetrics
-from shared.schema import BillingContext, LeaseRelease, UsageEvent
+from shared.schema import BillingContext, LeaseRelease, SamplingParams, UsageEvent
 from shared.telemetry import sampled_trace_id
 
 log = logging.getLogger("infermesh.edge")
@@ -123,6 +123,7 @@ class EdgeApi:
                     shape_for: ShapeFor) -> Reply:
         """Admit, route and run ``prepared``; its response (streamed or whole) in the shape ``shape_for`` makes."""
         model, stream, prompt_ids, params = prepared.model, prepared.stream, prepared.prompt_ids, prepared.params
+        self._check_fits_bus(prompt_ids, params, "prompt" if kind == "text" else "messages")
         arrived = time.time()
         caller: Caller = request.caller
         request_id = request.request_id or uuid.uuid4().hex
@@ -234,6 +235,15 @@ class EdgeApi:
         """Wait for the usage of finished requests to be published (a clean stop loses none)."""
         if self._billing:
             await asyncio.wait(list(self._billing), timeout=timeout_s)
+
+    def _check_fits_bus(self, prompt_ids: list[int], params: SamplingParams, param: str) -> None:
+        """A prompt whose generate request would exceed the bus's ``max_payload`` is a 400 before it takes a lease
+        (it could never be sent to a worker)."""
+        limit = self.mesh.bus.nc.max_payload
+        need = bus_limits.generate_request_bytes(len(prompt_ids), max(prompt_ids, default=0),
+                                                len(schema.encode(params)))
+        if need > limit:
+            raise errors.prompt_too_large_for_bus(len(prompt_ids), need, limit, param)
 
     @staticmethod
     def _request_class(request: HttpRequest) -> str:

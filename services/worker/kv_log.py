@@ -5,6 +5,7 @@ snapshot requests from it, so an indexer (the KV-aware router) that sees a seq g
 late, catches up without the engine's help::
 
     batch = log.record(events)          # KvEventBatch(source_id, seq 1, 2, ..., ts, events)
+    batches = log.record_bounded(events, max_ids)  # the same, in batches of at most ~max_ids ids each
     log.replay(after_seq=41)            # the batches 42.. still in the buffer; None if some fell out
     snap = log.snapshot()               # KvSnapshot(seq, blocks): the state after batch `seq`
 
@@ -12,12 +13,19 @@ The mirror follows the events, not the engine, so it works for any engine that e
 (vLLM's ZMQ publisher, the sim's block pool). Each block is kept with its parent hash and
 token ids per medium (GPU, CPU): what an indexer needs to rebuild its own chained hashes.
 Applying the batches after ``snap.seq`` to a snapshot gives the current state.
+
+A batch must fit one NATS message: a long prompt's prefill stores thousands of blocks at once (a 256K-token
+prompt: 256K token ids), so ``record_bounded`` splits what the engine reported into batches of at most about
+``max_ids`` ids (token ids and block hashes), a long BlockStored or BlockRemoved into consecutive parts (each
+part's parent is the previous part's last block: applied in order, the same chain).
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
+
+import msgspec
 
 from shared.schema import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvSnapshot
 
@@ -42,10 +50,15 @@ class KvEventLog:
             self._apply(event)
         return batch
 
+    def record_bounded(self, events: list[KvEvent], max_ids: int) -> list[KvEventBatch]:
+        """``record`` in as many batches as keep each to about ``max_ids`` ids."""
+        return [self.record(group) for group in split_events(events, max_ids)]
+
     def replay(self, after_seq: int, max_tokens: int = 0) -> list[KvEventBatch] | None:
         """The batches numbered after ``after_seq``; None when some of them left the buffer (take a snapshot).
 
-        With ``max_tokens``, only the first batches holding about that many token ids (at least one):
+        With ``max_tokens``, only the first batches holding about that many ids (token ids and block hashes; at
+        least one batch):
         the caller asks again after the last one it got (a NATS message has a size limit).
         """
         if after_seq >= self.seq:
@@ -57,7 +70,7 @@ class KvEventLog:
         for batch in self._recent:
             if batch.seq <= after_seq:
                 continue
-            size = sum(len(e.token_ids) for e in batch.events if isinstance(e, BlockStored))
+            size = sum(_num_ids(e) for e in batch.events)
             if batches and max_tokens and num_tokens + size > max_tokens:
                 break
             batches.append(batch)
@@ -89,3 +102,45 @@ class KvEventLog:
                     held.pop(block_hash, None)
         elif isinstance(event, AllBlocksCleared):
             self._blocks.clear()
+
+
+def split_events(events: list[KvEvent], max_ids: int) -> list[list[KvEvent]]:
+    """``events`` in order, in groups of at most about ``max_ids`` ids each (one group for no events)."""
+    assert max_ids > 0
+    groups: list[list[KvEvent]] = [[]]
+    size = 0
+    for event in events:
+        for part in _parts(event, max_ids):
+            num_ids = _num_ids(part)
+            if groups[-1] and size + num_ids > max_ids:
+                groups.append([])
+                size = 0
+            groups[-1].append(part)
+            size += num_ids
+    return groups
+
+
+def _parts(event: KvEvent, max_ids: int) -> list[KvEvent]:
+    if isinstance(event, BlockStored):
+        per_part = max(1, max_ids // (event.block_size + 1))
+        if len(event.block_hashes) <= per_part:
+            return [event]
+        parts, parent, size = [], event.parent_block_hash, event.block_size
+        for start in range(0, len(event.block_hashes), per_part):
+            hashes = event.block_hashes[start:start + per_part]
+            parts.append(msgspec.structs.replace(event, block_hashes=hashes, parent_block_hash=parent,
+                                                 token_ids=event.token_ids[start * size:(start + len(hashes)) * size]))
+            parent = hashes[-1]
+        return parts
+    if isinstance(event, BlockRemoved) and len(event.block_hashes) > max_ids:
+        return [msgspec.structs.replace(event, block_hashes=event.block_hashes[start:start + max_ids])
+                for start in range(0, len(event.block_hashes), max_ids)]
+    return [event]
+
+
+def _num_ids(event: KvEvent) -> int:
+    if isinstance(event, BlockStored):
+        return len(event.block_hashes) + len(event.token_ids)
+    if isinstance(event, BlockRemoved):
+        return len(event.block_hashes)
+    return 1

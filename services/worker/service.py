@@ -324,11 +324,18 @@ class WorkerService:
     async def _publish_kv_events_loop(self) -> None:
         subject = self.bus.subjects.kv_events(self.worker_id)
         async for events in self.engine.kv_events():
-            batch = self.kv_log.record(events)  # numbered, kept for replay, mirrored for snapshots
-            await self.bus.nc.publish(subject, schema.encode(batch), headers=traced())
+            # numbered, kept for replay, mirrored for snapshots; each batch one NATS message (kv_log.py)
+            for batch in self.kv_log.record_bounded(events, self._kv_batch_ids()):
+                await self.bus.nc.publish(subject, schema.encode(batch), headers=traced())
+
+    def _kv_batch_ids(self) -> int:
+        """Ids per KV batch or replay page: a fifth of what fits the server's max_payload at msgpack's worst
+        (5 bytes an id), leaving room for a replay reply of several batches at the bound."""
+        return max(256, self.bus.nc.max_payload // 25)
 
     async def _on_kv_replay(self, request: KvReplayRequest, raw: Msg) -> None:
-        batches = self.kv_log.replay(request.after_seq, request.max_tokens)
+        batches = self.kv_log.replay(request.after_seq, min(request.max_tokens or self._kv_batch_ids(),
+                                                             self._kv_batch_ids()))
         await self.bus.respond(raw, KvReplayReply(batches or [], complete=batches is not None))
 
     async def _on_kv_snapshot(self, request: KvSnapshotRequest, raw: Msg) -> None:
@@ -343,6 +350,8 @@ class WorkerService:
         else:
             snapshot_id, snapshot = request.snapshot_id, kept[1]
         start = request.start if kept is not None else 0
-        page = snapshot.blocks[start:start + max(1, request.max_blocks)]
+        block_size = snapshot.blocks[0].block_size if snapshot.blocks else 1
+        fits = self._kv_batch_ids() // (block_size + 1)  # a page is one message too: fewer blocks than asked, maybe
+        page = snapshot.blocks[start:start + max(1, min(request.max_blocks, fits))]
         await self.bus.respond(raw, KvSnapshot(snapshot.source_id, snapshot.seq, snapshot.ts, page, snapshot_id,
                                                start, len(snapshot.blocks)))

@@ -26,6 +26,7 @@ from services.metering.sync import BusViews
 from services.router.session_store import SessionStore
 from shared import schema
 from shared.breakers import BreakerView
+from shared.bus_limits import MAX_PAYLOAD_BYTES
 from shared.bus import Bus, BusError
 from shared.kv_cas import ensure_bucket, get_last
 from shared.kv_keys import live_keys
@@ -97,7 +98,9 @@ async def test_a_connection_without_credentials_or_with_a_wrong_password_is_refu
     with pytest.raises(nats.errors.Error):  # a plain client, no retries: the server closes it
         await nats.connect(locked.url, allow_reconnect=False, max_reconnect_attempts=0)
     await locked.wait_for_violation('authentication error - User "admin"')
-    assert (await connect(locked, Role.EDGE)).nc.is_connected  # the right password is let in
+    edge = await connect(locked, Role.EDGE)
+    assert edge.nc.is_connected  # the right password is let in
+    assert edge.nc.max_payload == MAX_PAYLOAD_BYTES  # up's server carries a long prompt (shared/bus_limits.py)
 
 
 async def test_credentials_come_from_the_environment_when_none_are_given(locked, monkeypatch):

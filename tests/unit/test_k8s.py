@@ -19,6 +19,7 @@ import yaml
 
 from infermesh.deploy_secrets import k8s_secrets
 from infermesh.processes import nats_server_binary
+from shared.bus_limits import MAX_PAYLOAD_BYTES
 from shared.config import load_config
 from shared.nats_auth import ENV as NATS_ENV
 from shared.replication import ENV as REPLICAS_ENV, replicas_for_cluster
@@ -178,6 +179,7 @@ def test_streams_have_as_many_copies_as_the_nats_cluster_allows(overlay):
     conf = objects(overlay, "ConfigMap")["nats-config"]["data"]["nats.conf"]
     routes = re.findall(r"nats://(nats-\d+)\.nats-headless:6222", conf)
     assert routes == [f"nats-{i}" for i in range(servers)] if servers > 1 else not routes
+    assert re.search(r"^\s*max_payload: (\d+)MB", conf, re.M).group(1) == str(MAX_PAYLOAD_BYTES >> 20)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -77,3 +77,28 @@ def test_snapshot_plus_later_batches_is_the_current_state():
     for batch in later:
         rebuilt.record(batch.events)
     assert state(rebuilt.snapshot()) == state(log.snapshot())
+
+
+@pytest.mark.parametrize("max_ids", [5, 12, 40, 10_000])
+def test_a_long_prefill_is_recorded_in_bounded_batches_that_rebuild_the_same_chain(max_ids):
+    events = [stored(range(1, 31), size=4), BlockRemoved(list(range(100, 160)), "GPU"), AllBlocksCleared(),
+              stored([207, 208], parent=None)]
+    whole, bounded = KvEventLog("w"), KvEventLog("w")
+    whole.record(events)
+    batches = bounded.record_bounded(events, max_ids)
+    for batch in batches:
+        ids = sum(len(e.block_hashes) + len(getattr(e, "token_ids", ())) if not isinstance(e, AllBlocksCleared)
+                  else 1 for e in batch.events)
+        assert ids <= max(max_ids, 5)  # (one block of 4 tokens and its hash is the least a part can hold)
+    assert [b.seq for b in batches] == list(range(1, len(batches) + 1)) and (len(batches) > 1) == (max_ids < 100)
+    assert state(bounded.snapshot()) == state(whole.snapshot())
+    parts = [e for b in batches for e in b.events if isinstance(e, BlockStored) and e.block_hashes[0] < 200]
+    assert [p.parent_block_hash for p in parts] == [None] + [p.block_hashes[-1] for p in parts[:-1]]
+    assert [h for p in parts for h in p.block_hashes] == list(range(1, 31))
+
+
+def test_a_replay_page_counts_block_hashes_too():
+    log = KvEventLog("w")
+    for _ in range(10):
+        log.record([BlockRemoved(list(range(50)), "GPU")])
+    assert len(log.replay(0, max_tokens=120)) == 2  # 50 + 50 ids; a third would pass 120
