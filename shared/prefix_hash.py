@@ -21,6 +21,7 @@ import hashlib
 import struct
 import sys
 from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 
 DEFAULT_BLOCK_SIZE = 16
@@ -35,9 +36,12 @@ def salt_root(model: str, lora: str | int | None = None, cache_salt: str | None 
 
 def _tokens_bytes(token_ids: Sequence[int]) -> bytes:
     """Little-endian int32s, whatever the machine's byte order."""
-    if array("i").itemsize != 4:
+    if array("i").itemsize != 4 or array("I").itemsize != 4:
         return struct.pack(f"<{len(token_ids)}i", *token_ids)
-    packed = array("i", token_ids)
+    try:
+        packed = array("I", token_ids)  # the same bytes for ids in [0, 2**31), and twice as fast to make as "i"
+    except OverflowError:
+        packed = array("i", token_ids)
     if sys.byteorder == "big":
         packed.byteswap()
     return packed.tobytes()
@@ -60,3 +64,64 @@ def prompt_hashes(token_ids: Sequence[int], model: str, lora: str | int | None =
                   cache_salt: str | None = None, block_size: int = DEFAULT_BLOCK_SIZE) -> list[int]:
     """The router hashes of a prompt's full blocks."""
     return chain(salt_root(model, lora, cache_salt), token_ids, block_size)
+
+
+def shared_prefix(a: Sequence, b: Sequence, chunk: int = 1 << 16) -> int:
+    """How many leading items (characters, bytes) ``a`` and ``b`` share, compared a chunk at a time at C speed."""
+    limit, start = min(len(a), len(b)), 0
+    while start < limit and a[start:start + chunk] == b[start:start + chunk]:
+        start += chunk
+    low, high = min(start, limit), min(start + chunk, limit)  # they part in [low, high]
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[low:middle] == b[low:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+class PrefixHashes:
+    """``prompt_hashes`` for prompts that repeat most of an earlier one (an agent's next turn): the blocks they
+    share take the earlier prompt's hashes, only the rest is hashed. The same chain, always: a block's hash is a
+    function of the tokens up to its end, and shared blocks are identical token for token. At most
+    ``max_entries`` prompts and ``max_tokens`` tokens kept, the least recently used dropped first."""
+
+    PROBE_BYTES = 4096
+
+    def __init__(self, max_entries: int = 64, max_tokens: int = 8 << 20) -> None:
+        self.max_entries, self.max_tokens = max_entries, max_tokens
+        self._entries: OrderedDict[int, tuple[tuple, bytes, list[int]]] = OrderedDict()  # (chain key, tokens, hashes)
+        self._next_key = 0
+        self.num_tokens = 0
+        self.num_reused = 0  # blocks whose hashes were taken from an earlier prompt
+
+    def hashes(self, token_ids: Sequence[int], model: str, lora: str | int | None = None,
+               cache_salt: str | None = None, block_size: int = DEFAULT_BLOCK_SIZE) -> list[int]:
+        chain_key, data = (model, lora, cache_salt, block_size), _tokens_bytes(token_ids)
+        best, reused = None, 0
+        for key, (other_key, other, _hashes) in self._entries.items():
+            probe = min(self.PROBE_BYTES, len(other), len(data))
+            if other_key == chain_key and other[:probe] == data[:probe]:
+                blocks = shared_prefix(other, data) // (4 * block_size)
+                if best is None or blocks > reused:
+                    best, reused = key, blocks
+        if best is None or reused == 0:
+            hashes = prompt_hashes(token_ids, model, lora, cache_salt, block_size)
+        else:
+            self._entries.move_to_end(best)
+            earlier = self._entries[best][2][:reused]
+            hashes = earlier + chain(earlier[-1], token_ids[reused * block_size:], block_size)
+            self.num_reused += reused
+        self._remember(chain_key, data, hashes, best if reused * 4 * block_size >= len(data) // 2 else None)
+        return hashes
+
+    def _remember(self, chain_key: tuple, data: bytes, hashes: list[int], replaced: int | None) -> None:
+        if replaced is not None:  # the new prompt continues that one: it takes its place
+            self.num_tokens -= len(self._entries.pop(replaced)[1]) // 4
+        if len(data) // 4 <= self.max_tokens:
+            self._entries[self._next_key] = (chain_key, data, hashes)
+            self._next_key += 1
+            self.num_tokens += len(data) // 4
+        while self._entries and (len(self._entries) > self.max_entries or self.num_tokens > self.max_tokens):
+            self.num_tokens -= len(self._entries.popitem(last=False)[1][1]) // 4

@@ -123,7 +123,7 @@ class EdgeApi:
                     shape_for: ShapeFor) -> Reply:
         """Admit, route and run ``prepared``; its response (streamed or whole) in the shape ``shape_for`` makes."""
         model, stream, prompt_ids, params = prepared.model, prepared.stream, prepared.prompt_ids, prepared.params
-        self._check_fits_bus(prompt_ids, params, "prompt" if kind == "text" else "messages")
+        self._check_fits_bus(prompt_ids, tokenizer.vocab_size - 1, params, "prompt" if kind == "text" else "messages")
         arrived = time.time()
         caller: Caller = request.caller
         request_id = request.request_id or uuid.uuid4().hex
@@ -236,12 +236,11 @@ class EdgeApi:
         if self._billing:
             await asyncio.wait(list(self._billing), timeout=timeout_s)
 
-    def _check_fits_bus(self, prompt_ids: list[int], params: SamplingParams, param: str) -> None:
+    def _check_fits_bus(self, prompt_ids: list[int], max_id: int, params: SamplingParams, param: str) -> None:
         """A prompt whose generate request would exceed the bus's ``max_payload`` is a 400 before it takes a lease
-        (it could never be sent to a worker)."""
+        (it could never be sent to a worker). ``max_id``: the vocabulary's largest id (a bound, known at once)."""
         limit = self.mesh.bus.nc.max_payload
-        need = bus_limits.generate_request_bytes(len(prompt_ids), max(prompt_ids, default=0),
-                                                len(schema.encode(params)))
+        need = bus_limits.generate_request_bytes(len(prompt_ids), max_id, len(schema.encode(params)))
         if need > limit:
             raise errors.prompt_too_large_for_bus(len(prompt_ids), need, limit, param)
 

@@ -66,7 +66,7 @@ from shared import errors
 from shared.bus import Bus, BusError, TokenStream
 from shared.deployments import DeploymentBreakers
 from shared.liveness import Registration, ping
-from shared.prefix_hash import prompt_hashes
+from shared.prefix_hash import PrefixHashes
 from shared.schema import (
     AbortRequest,
     BillingContext,
@@ -111,6 +111,7 @@ class EdgeMesh:
     def __init__(self, config: EdgeConfig, bus: Bus, edge_id: str) -> None:
         self.config = config
         self.bus = bus
+        self._prefix_hashes = PrefixHashes()  # an agent's next turn hashes only its new blocks
         static = {config.dev_key: "default"} if config.dev_key else {}
         self.keys = KeyDirectory(bus, {**static, **config.team_keys()})
         self.usage = UsagePublisher(bus)  # every deployment's usage goes to the local stream: one ledger
@@ -270,7 +271,8 @@ class EdgeMesh:
                       hints: RouteHints = RouteHints()) -> RouteRequest:
         """What the router is asked: the prompt's block hashes are computed here, once per request."""
         block_size = self.config.route_block_size
-        hashes = prompt_hashes(prompt_token_ids, model, None, hints.cache_salt, block_size) if block_size else []
+        hashes = self._prefix_hashes.hashes(prompt_token_ids, model, None, hints.cache_salt, block_size) \
+            if block_size else []
         return RouteRequest(request_id, model, len(prompt_token_ids), hints.session_id, [], hashes,
                             block_size if hashes else 0)
 

@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from services.edge.incremental import PrefixTokens, cut_kinds_that_hold, sample_conversations
+
 # Gemma's turn format, for Gemma checkpoints whose tokenizer ships no template
 # (the GGUF-converted Gemma 3 270M): system text is folded into the first user turn.
 GEMMA_CHAT_TEMPLATE = (
@@ -55,6 +57,22 @@ class ModelTokenizer:
         fast = getattr(self.hf, "_tokenizer", None)
         same_text = not getattr(self.hf, "clean_up_tokenization_spaces", False)
         self._fast_decode = fast.decode if fast is not None and same_text else None
+        self.prefix_tokens = self._prefix_tokens(fast)
+
+    def _prefix_tokens(self, fast: Any) -> PrefixTokens:
+        """Agent turns tokenize only what is new (``incremental.py``), with the cuts this tokenizer keeps whole
+        on conversations rendered by its template; none (the cache off) without a fast tokenizer."""
+        if fast is None:
+            return PrefixTokens(lambda texts: [self.encode(t, add_special_tokens=False) for t in texts], (), ())
+
+        def encode_batch(texts: list[str]) -> list[list[int]]:
+            return [e.ids for e in fast.encode_batch(texts, add_special_tokens=False)]
+
+        samples = [self.render(conversation) for conversation in sample_conversations()]
+        # the special tokens its template writes (Gemma has thousands, nearly all unused: each is looked for)
+        specials = [t.content for t in self.hf.added_tokens_decoder.values()
+                    if t.special and any(t.content in sample for sample in samples)]
+        return PrefixTokens(encode_batch, specials, cut_kinds_that_hold(encode_batch, specials, samples))
 
     def _stop_token_ids(self, vocab: dict[str, int]) -> set[int]:
         ids: set[int] = {vocab[t] for t in ("<end_of_turn>", "<|im_end|>", "<|eot_id|>") if t in vocab}
@@ -67,13 +85,11 @@ class ModelTokenizer:
         return ids
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        text = self.hf.apply_chat_template(
-            messages,
-            tokenize=False,
-            add_generation_prompt=True,
-            chat_template=self.chat_template,
-        )
-        return self.encode(text, add_special_tokens=False)
+        return self.prefix_tokens.encode(self.render(messages))
+
+    def render(self, messages: list[dict[str, Any]]) -> str:
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                           chat_template=self.chat_template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         fast = getattr(self.hf, "_tokenizer", None)  # the Rust tokenizer: skips transformers' per-call overhead

@@ -26,8 +26,8 @@ from services.metering.sync import BusViews
 from services.router.session_store import SessionStore
 from shared import schema
 from shared.breakers import BreakerView
-from shared.bus_limits import MAX_PAYLOAD_BYTES
 from shared.bus import Bus, BusError
+from shared.bus_limits import MAX_PAYLOAD_BYTES
 from shared.kv_cas import ensure_bucket, get_last
 from shared.kv_keys import live_keys
 from shared.nats_auth import NatsCredentials

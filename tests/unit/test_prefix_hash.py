@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import hashlib
+import random
 import struct
 
 import pytest
 
-from shared.prefix_hash import DEFAULT_BLOCK_SIZE, chain, prompt_hashes, salt_root
+from shared.prefix_hash import (
+    DEFAULT_BLOCK_SIZE,
+    PrefixHashes,
+    chain,
+    prompt_hashes,
+    salt_root,
+    shared_prefix,
+)
 
 BS = 16
 
@@ -137,3 +145,30 @@ def test_chain_continues_a_chain(split_blocks):
 def test_chain_of_nothing_is_empty_and_parent_matters():
     assert chain(123, [], BS) == []
     assert chain(1, toks(BS), BS) != chain(2, toks(BS), BS)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cached_hashes_equal_the_whole_chain_over_growing_edited_and_salted_prompts(seed):
+    rng = random.Random(seed)
+    cache = PrefixHashes(max_entries=3, max_tokens=50_000)
+    prompts = {salt: [rng.randrange(1000) for _ in range(rng.randrange(0, 300))] for salt in (None, "a", "b")}
+    for _ in range(60):
+        salt = rng.choice(list(prompts))
+        ids = prompts[salt]
+        action = rng.random()
+        if action < 0.6:  # the next turn: more tokens
+            ids += [rng.randrange(1000) for _ in range(rng.randrange(1, 200))]
+        elif action < 0.8 and ids:  # an earlier token edited
+            ids[rng.randrange(len(ids))] = rng.randrange(1000)
+        else:  # cut short
+            del ids[rng.randrange(len(ids) + 1):]
+        block = rng.choice([4, 16])
+        assert cache.hashes(ids, "m", None, salt, block) == prompt_hashes(ids, "m", None, salt, block)
+        assert len(cache._entries) <= 3 and cache.num_tokens <= 50_000
+    assert cache.num_reused > 0
+
+
+def test_shared_prefix_of_strings_and_bytes():
+    assert shared_prefix("abc", "abd") == 2 and shared_prefix(b"abc", b"abc") == 3 and shared_prefix("", "x") == 0
+    long = b"x" * 200_000
+    assert shared_prefix(long + b"a", long + b"b") == 200_000 == shared_prefix(long, long + b"c")

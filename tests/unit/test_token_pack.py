@@ -40,7 +40,8 @@ def test_a_generate_request_goes_packed_and_comes_back_equal():
     rng = random.Random(3)
     prompt = [rng.randrange(262_144) for _ in range(256_000)]  # a 256K prompt of a 262K vocabulary
     request = GenerateRequest("r", "m", prompt, SamplingParams(max_tokens=8), attempt=1,
-                              kv_transfer=KvTransfer("p-0", "r-p", 128, {"remote_block_ids": [1, 2]}), output_token_ids=[9, 70_000])
+                              kv_transfer=KvTransfer("p-0", "r-p", 128, {"remote_block_ids": [1, 2]}),
+                              output_token_ids=[9, 70_000])
     data = schema.encode(request)
     assert len(data) < 1 << 20 < len(msgspec.msgpack.encode(prompt))  # fits NATS' default max_payload; unpacked not
     back = schema.decode(data, GenerateRequest)
