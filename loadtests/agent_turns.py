@@ -5,9 +5,10 @@ it, side by side in one process.
 An agent conversation grows by about ``--turn-tokens`` (6K) tokens a turn (a reply and a new message) up to each
 history length in ``--histories``; at each length, the next turn's request body goes through what the edge does
 with it before routing, in the edge's own functions: ``prepare`` (the body parsed and validated, the chat template
-rendered, tokenized), the router block hashes (``prompt_hashes``), the bus check and the generate request's
-encoding. Each is timed in CPU seconds (``time.process_time``), median of ``--rounds`` turns at that length, the
-cache warm from the turns before (as a session's turns arrive). The same turns are run with the cache off (every
+rendered, tokenized), its result's pickling to and from the preparation process, the router block hashes
+(``PrefixHashes``), the bus check and the generate request's encoding. Each is timed in CPU seconds
+(``time.process_time``) on the first turn at or past that length, the cache warm from the turns before (as a
+session's turns arrive); median over ``--rounds`` conversations. The same turns are run with the cache off (every
 token tokenized: the path before). The tokenizer is Gemma 3 270M's (262K vocabulary) when ``./scripts/up`` has
 converted it, else the tiny test model's.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import random
 import statistics
 import sys
@@ -48,6 +50,9 @@ def _turn_cost(tokenizer: ModelTokenizer, hasher: PrefixHashes, body: bytes, mod
     start = time.process_time()
     prepared = prepare(PrepJob("chat", body, tokenizer.path, 1 << 21), tokenizer)
     parts["prepare"] = time.process_time() - start
+    start = time.process_time()  # a long body is prepared in a worker process: its result comes back pickled
+    prepared = pickle.loads(pickle.dumps(prepared))
+    parts["transfer"] = time.process_time() - start
     start = time.process_time()
     hashes = hasher.hashes(prepared.prompt_ids, model, None, None, 16)
     parts["hash"] = time.process_time() - start
@@ -66,31 +71,24 @@ def run(args: argparse.Namespace) -> dict:
     path = str(GEMMA) if GEMMA.exists() and not args.tiny else _tiny()
     results: dict[str, list[dict]] = {}
     for mode in ("incremental", "whole"):
-        tokenizer, hasher = ModelTokenizer(path), PrefixHashes()
-        if mode == "whole":  # every token tokenized and hashed, as before
-            cache = tokenizer.prefix_tokens
-            tokenizer.prefix_tokens = PrefixTokens(cache._encode_batch, (), ())
-            hasher = PrefixHashes(max_entries=0)
-        rng = random.Random(args.seed)
-        conversation = [_message(rng, "system", 1500), _message(rng, "user", 200)]
+        samples: dict[int, list[dict]] = {history: [] for history in args.histories}
+        for round_ in range(args.rounds):  # a new conversation (and fresh caches) each round
+            tokenizer, hasher = ModelTokenizer(path), PrefixHashes()
+            if mode == "whole":  # every token tokenized and hashed, as before
+                cache = tokenizer.prefix_tokens
+                tokenizer.prefix_tokens = PrefixTokens(cache._encode_batch, (), ())
+                hasher = PrefixHashes(max_entries=0)
+            for history, cost in _one_conversation(tokenizer, hasher, args, random.Random(args.seed + round_)):
+                samples[history].append(cost)
         rows = []
-        for history in args.histories:
-            samples = []
-            while True:
-                body = json.dumps({"model": "m", "messages": conversation, "max_tokens": 256}).encode()
-                cost = _turn_cost(tokenizer, hasher, body, "m")
-                if cost["prompt_tokens"] >= history:
-                    samples.append(cost)
-                    if len(samples) >= args.rounds:
-                        break
-                words = max(1, int(args.turn_tokens / 2 / 1.6))  # ~1.6 tokens a word here
-                conversation += [_message(rng, "assistant", words), _message(rng, "user", words)]
-            row = {"history": history, "prompt_tokens": int(statistics.median(s["prompt_tokens"] for s in samples))}
-            row |= {k: statistics.median(s[k] for s in samples) * 1e3 for k in ("prepare", "hash", "encode", "total")}
+        for history, costs in samples.items():
+            row = {"history": history, "prompt_tokens": int(statistics.median(c["prompt_tokens"] for c in costs))}
+            row |= {k: statistics.median(c[k] for c in costs) * 1e3
+                    for k in ("prepare", "transfer", "hash", "encode", "total")}
             rows.append(row)
             print(f"agent_turns: {mode} {row['prompt_tokens']} tokens: {row['total']:.1f} ms "
-                  f"(prepare {row['prepare']:.1f}, hash {row['hash']:.1f}, encode {row['encode']:.1f})",
-                  file=sys.stderr, flush=True)
+                  f"(prepare {row['prepare']:.1f}, transfer {row['transfer']:.1f}, hash {row['hash']:.1f}, "
+                  f"encode {row['encode']:.1f})", file=sys.stderr, flush=True)
         results[mode] = rows
     base = results["incremental"][0]["total"]
     return {"command": "python -m loadtests.agent_turns " + " ".join(args.argv), "tokenizer": Path(path).name,
@@ -98,6 +96,20 @@ def run(args: argparse.Namespace) -> dict:
             "incremental_vs_first": [r["total"] / base for r in results["incremental"]],
             "whole_vs_incremental": [w["total"] / i["total"]
                                      for w, i in zip(results["whole"], results["incremental"], strict=True)]}
+
+
+def _one_conversation(tokenizer: ModelTokenizer, hasher: PrefixHashes, args: argparse.Namespace,
+                      rng: random.Random):
+    """(history length, the cost of the first turn at or past it), for each length, as the conversation grows."""
+    conversation = [_message(rng, "system", 1000), _message(rng, "user", 200)]
+    words = max(1, int(args.turn_tokens / 2 / 2.4))  # ~2.4 tokens a word of these (Gemma)
+    pending = sorted(args.histories)
+    while pending:
+        body = json.dumps({"model": "m", "messages": conversation, "max_tokens": 256}).encode()
+        cost = _turn_cost(tokenizer, hasher, body, "m")
+        while pending and cost["prompt_tokens"] >= pending[0]:
+            yield pending.pop(0), cost
+        conversation += [_message(rng, "assistant", words), _message(rng, "user", words)]
 
 
 def _tiny() -> str:
@@ -132,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--histories", type=int, nargs="+", default=[8_000, 16_000, 32_000, 64_000, 128_000, 200_000])
     parser.add_argument("--turn-tokens", type=int, default=6_000)
-    parser.add_argument("--rounds", type=int, default=3, help="turns measured at each history length")
+    parser.add_argument("--rounds", type=int, default=5, help="conversations (the median of each length's turns)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--tiny", action="store_true", help="the tiny test model's tokenizer even if Gemma's is there")
     parser.add_argument("--out", default="")

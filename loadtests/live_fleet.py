@@ -222,7 +222,8 @@ def markdown(args: argparse.Namespace, command: str, notes: dict, configs: dict[
     return f"""# Live fleet: {args.sessions} agent sessions through the mesh
 
 {args.decoders} simulated decoders + {args.prefill} prefill workers ({args.profile}, {args.engines_per_process} engines
-per process: {n['worker_processes']} worker processes) behind one edge, one router and NATS, all processes on this
+per process: {n['worker_processes']} worker processes) behind the path `infermesh up` runs (one edge, one router,
+admission, breaker, metering with its ledger, batch; NATS locked), all processes on this
 {n['machine_cores']}-core machine, driven over HTTP (streamed `/v1/completions` of token ids, usage included) by
 {args.sessions} closed-loop agent sessions (AgentSessions at scale {args.scale}; think time {args.think_time_s:g} s
 and session starts spread over {args.stagger_s:g} s, simulated{f'; {args.turns} turns' if args.turns else ''}).
@@ -245,6 +246,10 @@ and session starts spread over {args.stagger_s:g} s, simulated{f'; {args.turns} 
 | TTFT wall p50 / p99 | {n['ttft_wall_ms']['p50']:,.1f} / {n['ttft_wall_ms']['p99']:,.1f} ms |
 | ITL wall p50 / p99 | {n['itl_wall_ms']['p50']:,.2f} / {n['itl_wall_ms']['p99']:,.2f} ms |
 | most requests in flight | {n['max_in_flight_requests']} |
+
+**The tokens/s above is the offered load, not a capacity**: it is what {args.sessions} closed-loop sessions that
+think {args.think_time_s:g} s (simulated) between turns ask for, and the edge served all of it using the share of a
+core shown. What one edge can sustain is a different measurement (a load that does not wait on itself).
 
 CPU by process (share of one core over the run): {cpu}. Requests served: {spread}.
 Edge CPU per token is all of the edge's CPU over the run (HTTP, validation, routing, the prefill

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import tempfile
 import uuid
 from pathlib import Path
@@ -13,9 +12,8 @@ from typing import AsyncIterator, Iterator
 import pytest
 import pytest_asyncio
 
-from infermesh.processes import nats_server_binary
 from shared.ports import free_port
-from tests.utils import wait_for_port
+from tests.utils import nats_server
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -34,14 +32,8 @@ def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A nats-server 2.11+ with JetStream on a free port (the machine's own NATS is too old)."""
     port = free_port()
     store = tmp_path_factory.mktemp("nats")
-    proc = subprocess.Popen([nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        assert wait_for_port(port, 10), "nats-server did not start"
-        yield f"nats://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    with nats_server(port, ["-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store)]) as url:
+        yield url
 
 
 @pytest.fixture

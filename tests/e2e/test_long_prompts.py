@@ -7,18 +7,16 @@ lease; the mesh serves on."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import httpx
 import openai
 import pytest
 
 from infermesh.local import LocalMesh
-from infermesh.processes import nats_server_binary
 from shared import bus_limits, schema
 from shared.ports import free_port
 from shared.schema import SamplingParams
-from tests.utils import eventually, wait_for_port
+from tests.utils import eventually, nats_server
 
 pytestmark = [pytest.mark.e2e]
 KEY = "test-key"
@@ -32,14 +30,8 @@ def small_nats(tmp_path_factory):
     port = free_port()
     (folder / "nats.json").write_text(json.dumps({"listen": f"127.0.0.1:{port}", "max_payload": MAX_PAYLOAD,
                                                   "jetstream": {"store_dir": str(folder / "store")}}))
-    proc = subprocess.Popen([nats_server_binary(), "-c", str(folder / "nats.json")], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        assert wait_for_port(port, 10), "nats-server did not start"
-        yield f"nats://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    with nats_server(port, ["-c", str(folder / "nats.json")]) as url:
+        yield url
 
 
 @pytest.fixture
