@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from services.edge.incremental import PrefixTokens
-from services.edge.prep import PrepJob, prepare
+from services.edge.prep import PrepJob, crossed, prepare
 from services.edge.tokenizer import ModelTokenizer
 from shared import bus_limits, schema
 from shared.prefix_hash import PrefixHashes
@@ -51,7 +51,7 @@ def _turn_cost(tokenizer: ModelTokenizer, hasher: PrefixHashes, body: bytes, mod
     prepared = prepare(PrepJob("chat", body, tokenizer.path, 1 << 21), tokenizer)
     parts["prepare"] = time.process_time() - start
     start = time.process_time()  # a long body is prepared in a worker process: its result comes back pickled
-    prepared = pickle.loads(pickle.dumps(prepared))
+    prepared = pickle.loads(pickle.dumps(crossed(prepared)))
     parts["transfer"] = time.process_time() - start
     start = time.process_time()
     hashes = hasher.hashes(prepared.prompt_ids, model, None, None, 16)

@@ -32,7 +32,8 @@ def packed_size(num_ids: int, max_id: int) -> int:
 
 def pack(ids: Sequence[int]) -> bytes:
     try:
-        values = np.frombuffer(array.array("I", ids), dtype=np.uint32)  # (array: the fastest way in from a list)
+        as_array = ids if isinstance(ids, array.array) and ids.typecode == "I" else array.array("I", ids)
+        values = np.frombuffer(as_array, dtype=np.uint32)  # (array: the fastest way in from a list)
     except OverflowError:
         raise ValueError(f"token ids must be in [0, {MAX_ID}]") from None
     if values.size and values.max() > MAX_ID:
