@@ -58,6 +58,8 @@ class PrefixTokens:
                  min_reuse_chars: int = MIN_REUSE_CHARS) -> None:
         self._encode_batch = encode_batch
         self._specials = tuple(t for t in special_tokens if t)
+        # a cut is used only if the text it starts (a special token, or a line's first character) is shared too
+        self._cut_span = max(map(len, self._specials), default=1)
         self.kinds = frozenset(kinds)
         self.max_entries, self.max_tokens = max_entries, max_tokens
         self.piece_chars, self.min_reuse_chars = piece_chars, min_reuse_chars
@@ -72,7 +74,8 @@ class PrefixTokens:
             self.num_encoded += len(ids)
             return list(ids)
         found = self._best_entry(text)
-        at = -1 if found is None else bisect.bisect_left(found[1].cut_chars, found[2]) - 1  # last cut before they part
+        # the last cut whose context both texts share: what is before it, and what it starts
+        at = -1 if found is None else bisect.bisect_right(found[1].cut_chars, found[2] - self._cut_span) - 1
         if found is None or at < 0 or found[1].cut_chars[at] < self.min_reuse_chars:
             ids, cut_chars, cut_tokens = self._tokenize(text, 0)
             return self._remember(_Entry(text, ids, cut_chars, cut_tokens), None)

@@ -153,3 +153,30 @@ def test_the_real_gemma_tokenizer_when_present():
     for _ in range(30):
         conversation += [_message(rng, "user"), _message(rng, "assistant")]
         assert tok.apply_chat_template(conversation) == _whole(tok, conversation)
+
+
+def test_a_cut_is_used_only_where_the_token_it_starts_is_shared_too():
+    def encode_batch(texts):  # "<x>" is special; "A<" merges, as a BPE merge would across a cut
+        out = []
+        for text in texts:
+            ids = []
+            for n, part in enumerate(text.split("<x>")):
+                if n:
+                    ids.append(1000)
+                i = 0
+                while i < len(part):
+                    if part[i:i + 2] == "A<":
+                        ids.append(2000)
+                        i += 2
+                    else:
+                        ids.append(ord(part[i]))
+                        i += 1
+            out.append(ids)
+        return out
+
+    cache = PrefixTokens(encode_batch, ["<x>"], ("special",), piece_chars=1, min_reuse_chars=1)
+    cached, new = "A" * 2000 + "<x>" + "B" * 50, "A" * 2000 + "<y>" + "C" * 10  # they share "A" * 2000 + "<"
+    assert cache.encode(cached) == encode_batch([cached])[0]
+    assert cache.encode(new) == encode_batch([new])[0]  # not A*2000 from the cache + "<y>..." tokenized apart
+    longer = cached + "D" * 20  # shares the special token whole: its cut is used
+    assert cache.encode(longer) == encode_batch([longer])[0] and cache.num_reused == 2000
