@@ -109,7 +109,7 @@ class ClusterMesh:
         return [s.name for s in self.cluster.plan.servers("c")]
 
     def url(self, index: int) -> str:
-        """Server ``index`` first, then the others: a replica connects to its own and learns the rest."""
+        """Server ``index``'s URL: a replica connects to its own host's server and learns the others from it."""
         return self.cluster.plan.servers("c")[index].url
 
     @property
