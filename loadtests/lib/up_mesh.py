@@ -23,14 +23,15 @@ WORKER_ID = "sim-0"
 
 class UpMesh:
     def __init__(self, state: Path, model_path: Path, sim_ttft_ms: float, sim_itl_ms: float,
-                 service_env: dict[str, str] | None = None, database_url: str = "") -> None:
+                 service_env: dict[str, str] | None = None, database_url: str = "", **options: object) -> None:
+        """``options``: more of ``MeshOptions`` (``edge_replicas``, ``sim_stream_interval``, ...)."""
         state.mkdir(parents=True, exist_ok=True)
         self.state, self.model_path, self.service_env = state, model_path, service_env or {}
         self.options = MeshOptions(
             engine="sim", num_workers=1, model=MODEL, model_path=str(model_path), http_port=free_port(),
             namespace=f"mo{uuid.uuid4().hex[:8]}", dev_key=KEY, billing_port=free_port(), metrics_port_base=-1,
             database_url=database_url or f"sqlite:///{state / 'ledger.db'}", sim_ttft_ms=sim_ttft_ms,
-            sim_itl_ms=sim_itl_ms, state_dir=str(state), ready_timeout_s=120.0)
+            sim_itl_ms=sim_itl_ms, state_dir=str(state), ready_timeout_s=120.0, **options)
         self.group = ProcessGroup(state / "logs")
         self.nats_url = ""
 

@@ -34,10 +34,24 @@ from shared.schema import (
     WorkerInfo,
 )
 from tests.e2e.mesh_process import tiny_vllm_mesh
+from tests.utils import nats_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 PREFILL, DECODE = "prefill-0", "decode-0"
 BLOCK = 128  # vLLM CPU's block size
+
+
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory):
+    """A nats-server of this module's own, fresh. In a full run (this session's fresh clone) the session's server,
+    by then holding ~1,000 streams of earlier tests (1,729 at the end), answered no JetStream call for tens of
+    seconds while both cores ran the two engines: admission lost its leader and a request got 503 no responder.
+    Alone, with a fresh server, the module passed every time. Which of the server's state or load stalled it was
+    not found (1,800 idle streams alone cost nothing); a server of its own takes every earlier test out of it."""
+    port = free_port()
+    with nats_server(port, ["-js", "-a", "127.0.0.1", "-p", str(port),
+                            "-sd", str(tmp_path_factory.mktemp("pd-nats"))]) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
