@@ -68,7 +68,12 @@ class ModelTokenizer:
         def encode_batch(texts: list[str]) -> list[list[int]]:
             return [e.ids for e in fast.encode_batch(texts, add_special_tokens=False)]
 
-        samples = [self.render(conversation) for conversation in sample_conversations()]
+        samples = []
+        for conversation in sample_conversations():
+            try:
+                samples.append(self.render(conversation))
+            except Exception:  # a template that refuses a system turn, say: checked on the samples it renders
+                continue
         # the special tokens its template writes (Gemma has thousands, nearly all unused: each is looked for)
         specials = [t.content for t in self.hf.added_tokens_decoder.values()
                     if t.special and any(t.content in sample for sample in samples)]

@@ -180,3 +180,13 @@ def test_a_cut_is_used_only_where_the_token_it_starts_is_shared_too():
     assert cache.encode(new) == encode_batch([new])[0]  # not A*2000 from the cache + "<y>..." tokenized apart
     longer = cached + "D" * 20  # shares the special token whole: its cut is used
     assert cache.encode(longer) == encode_batch([longer])[0] and cache.num_reused == 2000
+
+
+def test_a_template_that_refuses_some_samples_still_loads(tmp_path):
+    hf = _byte_level_tokenizer()
+    hf.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system turn') }}{% endif %}"
+                        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    hf.save_pretrained(tmp_path)
+    tok = ModelTokenizer(str(tmp_path))  # the samples with a system turn are skipped, not fatal
+    conversation = [{"role": "user", "content": "a\nb"}, {"role": "assistant", "content": "c"}]
+    assert tok.apply_chat_template(conversation) == _whole(tok, conversation)
