@@ -11,8 +11,7 @@ thread answers, whatever its event loop is doing), and only one that stays silen
 | left the bucket, answers the ping               | held: it lives                                        |
 | left the bucket, back in it before the answer   | held                                                  |
 | left the bucket, silent for ``probe_timeout_s`` | ``on_gone(edge_id)``: the leader lapses them at once  |
-| out of the bucket when a new leader restores    | pinged then (``check``); silent: lapsed at once       |
-| its lease                                       |                                                       |
+| never seen (its lease restored from the bucket) | the TTL                                               |
 """
 
 from __future__ import annotations
@@ -52,11 +51,6 @@ class GoneHolders:
             probe.cancel()
         await asyncio.gather(*probes, return_exceptions=True)
         await self.directory.stop()
-
-    def check(self, holders: set[str]) -> None:
-        """Probe each of ``holders`` that is not in the bucket now (a new leader's restored leases' edges)."""
-        for edge_id in holders - set(self.directory.edges):
-            self._on_removed(edge_id)
 
     def _on_removed(self, edge_id: str) -> None:
         if edge_id not in self._probes:

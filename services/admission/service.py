@@ -142,7 +142,6 @@ class AdmissionService:
     # ------------------------------------------------------------ leadership
     async def _elected(self) -> None:
         await self._restore()
-        self.holders.check({lease.holder for ledger in self.ledgers.values() for lease in ledger.leases.values()})
         s = self.bus.subjects
         self._subs = [
             await self.bus.subscribe(s.admission_acquire, LeaseRequest, self._on_acquire),
