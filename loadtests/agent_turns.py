@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from loadtests.lib.bench_cli import conclude, parse
 from services.edge.incremental import PrefixTokens
 from services.edge.prep import PrepJob, crossed, prepare
 from services.edge.tokenizer import ModelTokenizer
@@ -148,13 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--tiny", action="store_true", help="the tiny test model's tokenizer even if Gemma's is there")
     parser.add_argument("--out", default="")
-    args = parser.parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else argv
-    report = run(args)
-    print(json.dumps({k: v for k, v in report.items() if k != "results"}, indent=1))
-    if args.out:
-        write_report(report, Path(args.out))
-    return report
+    args = parse(parser, argv)
+    return conclude(run(args), args.out, write_report)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from loadtests.lib.bench_cli import conclude, parse
 from loadtests.lib.sse_client import LeanSseClient
 from loadtests.lib.up_mesh import KEY, MODEL, UpMesh
 
@@ -111,13 +112,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--edges", type=int, nargs="+", default=[1, 2], help="edges sharing the port")
     parser.add_argument("--coalesce", type=int, nargs="+", default=[1, 8], help="tokens per message (1: off)")
     parser.add_argument("--out", default="")
-    args = parser.parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else argv
-    report = asyncio.run(run(args))
-    print(json.dumps({k: v for k, v in report.items() if k != "results"}, indent=1))
-    if args.out:
-        write_report(report, Path(args.out))
-    return report
+    args = parse(parser, argv)
+    return conclude(asyncio.run(run(args)), args.out, write_report)
 
 
 if __name__ == "__main__":

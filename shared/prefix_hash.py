@@ -49,7 +49,11 @@ def _tokens_bytes(token_ids: Sequence[int]) -> bytes:
 
 def chain(parent: int, token_ids: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE) -> list[int]:
     """The chained hashes of the full blocks of ``token_ids`` after ``parent`` (a partial tail has none)."""
-    data = _tokens_bytes(token_ids)
+    return _chain_bytes(parent, _tokens_bytes(token_ids), block_size)
+
+
+def _chain_bytes(parent: int, data: bytes, block_size: int) -> list[int]:
+    """``chain`` over tokens already packed by ``_tokens_bytes``."""
     width = 4 * block_size
     hashes: list[int] = []
     blake2b, from_bytes = hashlib.blake2b, int.from_bytes
@@ -89,8 +93,10 @@ class PrefixHashes:
 
     PROBE_BYTES = 4096
 
-    def __init__(self, max_entries: int = 64, max_tokens: int = 8 << 20) -> None:
-        self.max_entries, self.max_tokens = max_entries, max_tokens
+    def __init__(self, max_entries: int = 64, max_tokens: int = 8 << 20, min_tokens: int = 1024) -> None:
+        """``min_tokens``: a shorter prompt is hashed whole and not kept (it costs little, and keeping every short
+        chat request would push the long agent histories out)."""
+        self.max_entries, self.max_tokens, self.min_tokens = max_entries, max_tokens, min_tokens
         self._entries: OrderedDict[int, tuple[tuple, bytes, list[int]]] = OrderedDict()  # (chain key, tokens, hashes)
         self._next_key = 0
         self.num_tokens = 0
@@ -98,6 +104,8 @@ class PrefixHashes:
 
     def hashes(self, token_ids: Sequence[int], model: str, lora: str | int | None = None,
                cache_salt: str | None = None, block_size: int = DEFAULT_BLOCK_SIZE) -> list[int]:
+        if len(token_ids) < self.min_tokens:
+            return prompt_hashes(token_ids, model, lora, cache_salt, block_size)
         chain_key, data = (model, lora, cache_salt, block_size), _tokens_bytes(token_ids)
         best, reused = None, 0
         for key, (other_key, other, _hashes) in self._entries.items():
@@ -107,11 +115,11 @@ class PrefixHashes:
                 if best is None or blocks > reused:
                     best, reused = key, blocks
         if best is None or reused == 0:
-            hashes = prompt_hashes(token_ids, model, lora, cache_salt, block_size)
+            hashes = _chain_bytes(salt_root(model, lora, cache_salt), data, block_size)
         else:
             self._entries.move_to_end(best)
             earlier = self._entries[best][2][:reused]
-            hashes = earlier + chain(earlier[-1], token_ids[reused * block_size:], block_size)
+            hashes = earlier + _chain_bytes(earlier[-1], data[reused * 4 * block_size:], block_size)
             self.num_reused += reused
         self._remember(chain_key, data, hashes, best if reused * 4 * block_size >= len(data) // 2 else None)
         return hashes

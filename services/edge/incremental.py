@@ -19,7 +19,8 @@ tokenizer with none never uses the cache. tests/unit/test_incremental_tokens.py 
 random conversations for every chat template the edge renders.
 
 Bounded: at most ``max_entries`` prompts and ``max_tokens`` token ids in all (4-byte arrays), the least recently
-used dropped first; a prompt that continues an earlier one replaces it.
+used dropped first; a prompt that continues an earlier one replaces it; a prompt shorter than ``min_reuse_chars``
+is tokenized whole and not kept (short chat requests would push the long agent histories out).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class PrefixTokens:
         self.num_reused = self.num_encoded = 0  # tokens taken from earlier prompts / tokenized here
 
     def encode(self, text: str) -> list[int]:
-        if not self.kinds:
+        if not self.kinds or len(text) < self.min_reuse_chars:  # nothing to reuse, nothing worth keeping for later
             ids = self._encode_batch([text])[0]
             self.num_encoded += len(ids)
             return list(ids)

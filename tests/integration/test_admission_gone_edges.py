@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from contextlib import asynccontextmanager
 
 import pytest
 
@@ -40,33 +41,35 @@ async def admission(nats_url, namespace, bus):
         await mesh.stop()
 
 
-async def test_a_dead_edges_lease_comes_back_once_it_leaves_the_edges_bucket(nats_url, namespace, bus, admission):
-    edge_bus = await Bus.connect(nats_url, namespace, "edge-dead")
-    registration = await edge_registration(edge_bus, "edge-dead", heartbeat_s=0.2, ttl_s=1)
+@asynccontextmanager
+async def _edge_with_a_lease(nats_url: str, namespace: str, bus: Bus, admission, edge_id: str, heartbeat_s: float,
+                             ttl_s: float):
+    """An edge registered in the edges bucket (admission has seen it) that holds the pool's one lease."""
+    edge_bus = await Bus.connect(nats_url, namespace, edge_id)
+    registration = await edge_registration(edge_bus, edge_id, heartbeat_s=heartbeat_s, ttl_s=ttl_s)
     try:
-        await eventually(lambda: "edge-dead" in admission.holders.directory.edges, 5)
-        assert isinstance(await _acquire(bus, "edge-dead", 0.0), LeaseGranted)
+        await eventually(lambda: edge_id in admission.holders.directory.edges, 5)
+        granted = await _acquire(bus, edge_id, 0.0)
+        assert isinstance(granted, LeaseGranted)
+        yield registration, granted
+    finally:
+        await registration.halt()
+        await edge_bus.close()
+
+
+async def test_a_dead_edges_lease_comes_back_once_it_leaves_the_edges_bucket(nats_url, namespace, bus, admission):
+    async with _edge_with_a_lease(nats_url, namespace, bus, admission, "edge-dead", 0.2, 1) as (registration, _):
         await registration.halt()  # as SIGKILL: no more beats, no delete, no release
         killed_at = time.monotonic()
         waiter = await _acquire(bus, "edge-alive", 20.0)  # the pool is full: it waits for the dead edge's lease
         assert isinstance(waiter, LeaseGranted)
         assert time.monotonic() - killed_at < 10  # its key's TTL (1 s) and a ping, not the lease's 60 s
         assert admission.holders.num_gone == 1 and admission.stats["holder_gone"] == 1
-    finally:
-        await edge_bus.close()
 
 
 async def test_an_edge_out_of_the_bucket_that_answers_keeps_its_lease(nats_url, namespace, bus, admission):
-    edge_bus = await Bus.connect(nats_url, namespace, "edge-slow")
-    registration = await edge_registration(edge_bus, "edge-slow", heartbeat_s=5, ttl_s=30)
-    try:
-        await eventually(lambda: "edge-slow" in admission.holders.directory.edges, 5)
-        granted = await _acquire(bus, "edge-slow", 0.0)
-        assert isinstance(granted, LeaseGranted)
+    async with _edge_with_a_lease(nats_url, namespace, bus, admission, "edge-slow", 5, 30) as (_, granted):
         await (await edges_bucket(bus)).delete("edge-slow")  # its key gone, as when NATS could not store a beat
         await eventually(lambda: admission.holders.num_alive == 1, 10)  # probed, found alive: nothing lapses
         assert admission.ledgers["m"].expired(time.time() + 1) == []
         assert set(admission.ledgers["m"].leases) == {granted.lease_id} and admission.stats["holder_gone"] == 0
-    finally:
-        await registration.stop()
-        await edge_bus.close()

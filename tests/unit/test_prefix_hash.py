@@ -150,7 +150,7 @@ def test_chain_of_nothing_is_empty_and_parent_matters():
 @pytest.mark.parametrize("seed", range(4))
 def test_cached_hashes_equal_the_whole_chain_over_growing_edited_and_salted_prompts(seed):
     rng = random.Random(seed)
-    cache = PrefixHashes(max_entries=3, max_tokens=50_000)
+    cache = PrefixHashes(max_entries=3, max_tokens=50_000, min_tokens=0)
     prompts = {salt: [rng.randrange(1000) for _ in range(rng.randrange(0, 300))] for salt in (None, "a", "b")}
     for _ in range(60):
         salt = rng.choice(list(prompts))
@@ -166,6 +166,12 @@ def test_cached_hashes_equal_the_whole_chain_over_growing_edited_and_salted_prom
         assert cache.hashes(ids, "m", None, salt, block) == prompt_hashes(ids, "m", None, salt, block)
         assert len(cache._entries) <= 3 and cache.num_tokens <= 50_000
     assert cache.num_reused > 0
+
+
+def test_a_short_prompt_is_hashed_whole_and_not_kept():
+    cache = PrefixHashes(min_tokens=64)
+    assert cache.hashes(list(range(40)), "m") == prompt_hashes(list(range(40)), "m") and not cache._entries
+    assert cache.hashes(list(range(80)), "m") == prompt_hashes(list(range(80)), "m") and len(cache._entries) == 1
 
 
 def test_shared_prefix_of_strings_and_bytes():
