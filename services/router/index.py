@@ -15,9 +15,11 @@ worker's model, the event's LoRA id and the tenant salt the worker attached. A b
 parent the index never saw (lost events) cannot be named and is skipped (counted): recovery
 (replay or snapshot) is the cure, never a guess.
 
-``find_matches`` walks the prompt's hashes once, ANDing bitmasks: a worker's device overlap
-is its longest prefix held on the device; its host overlap is how much further the prefix
-goes with host-tier blocks. Cost O(prompt blocks + matched workers), independent of index size.
+``find_matches`` ANDs bitmasks along the prompt's hashes: a worker's device overlap is its
+longest prefix held on the device; its host overlap is how much further the prefix goes with
+host-tier blocks. With no host tier anywhere (the common case) it bisects instead of walking,
+since engines keep a worker's device blocks prefix-closed: O(log(prompt blocks)) lookups per
+distinct depth, independent of index size.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from shared.prefix_hash import DEFAULT_BLOCK_SIZE, chain, salt_root
 from shared.schema import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 DEVICE, HOST = 0, 1
-STRIDE = 8  # blocks between lookups on the device-only path (see _find_on_device)
 HOST_MEDIA = frozenset({"CPU", "cpu", "HOST", "host", "DISK", "disk"})
 
 
@@ -53,10 +54,16 @@ class Overlap:
 class _Worker:
     slot: int
     model: str
-    # per tier: engine hash -> the router hashes of its sub-blocks
-    blocks: tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]] = field(default_factory=lambda: ({}, {}))
-    # per tier: router hash -> how many of this worker's engine blocks name it
-    counts: tuple[dict[int, int], dict[int, int]] = field(default_factory=lambda: ({}, {}))
+    # per tier: engine hash -> its router hash (an int), or the router hashes of its sub-blocks (a tuple)
+    blocks: tuple[dict[int, int | tuple[int, ...]], dict[int, int | tuple[int, ...]]] = field(
+        default_factory=lambda: ({}, {}))
+    # per tier: router hash -> how many more of this worker's engine blocks name it than the first (rare: the
+    # engine hashes something the router does not see); the first is the worker's bit in the holders' mask
+    extra: tuple[dict[int, int], dict[int, int]] = field(default_factory=lambda: ({}, {}))
+
+
+def _router_hashes(value: int | tuple[int, ...]) -> tuple[int, ...]:
+    return value if isinstance(value, tuple) else (value,)
 
 
 class PrefixIndex:
@@ -153,62 +160,69 @@ class PrefixIndex:
         if event.parent_block_hash is None:
             parent = salt_root(worker.model, event.lora_id, event.cache_salt)
         else:
-            known = worker.blocks[DEVICE].get(event.parent_block_hash) or worker.blocks[HOST].get(
-                event.parent_block_hash)
+            known = worker.blocks[DEVICE].get(event.parent_block_hash)
             if known is None:
-                self.num_skipped_blocks += len(event.block_hashes)
-                return
-            parent = known[-1]
+                known = worker.blocks[HOST].get(event.parent_block_hash)
+                if known is None:
+                    self.num_skipped_blocks += len(event.block_hashes)
+                    return
+            parent = known[-1] if isinstance(known, tuple) else known
         routed = chain(parent, event.token_ids[:size * len(event.block_hashes)], ours)
-        per_block = size // ours
         tier = tier_of(event.medium)
-        blocks, counts, holders = worker.blocks[tier], worker.counts[tier], self._holders[tier]
+        blocks, extra, holders = worker.blocks[tier], worker.extra[tier], self._holders[tier]
         bit = 1 << worker.slot
+        per_block = size // ours
         for i, engine_hash in enumerate(event.block_hashes):
             if engine_hash in blocks:
                 continue  # already held (a replay overlapping a snapshot): idempotent
-            sub = tuple(routed[i * per_block:(i + 1) * per_block])
-            blocks[engine_hash] = sub
-            for router_hash in sub:
-                n = counts.get(router_hash, 0)
-                counts[router_hash] = n + 1
-                if n == 0:
-                    holders[router_hash] = holders.get(router_hash, 0) | bit
+            if per_block == 1:
+                named = blocks[engine_hash] = routed[i]
+                subs: tuple[int, ...] = (named,)
+            else:
+                subs = blocks[engine_hash] = tuple(routed[i * per_block:(i + 1) * per_block])
+            for router_hash in subs:
+                mask = holders.get(router_hash, 0)
+                if not mask:
+                    holders[router_hash] = bit  # one int object for the event, not one per block
+                elif mask & bit:
+                    extra[router_hash] = extra.get(router_hash, 0) + 1
+                else:
+                    holders[router_hash] = mask | bit
 
     def _remove(self, worker: _Worker, tier: int, engine_hashes: Sequence[int]) -> None:
-        blocks, counts, holders = worker.blocks[tier], worker.counts[tier], self._holders[tier]
+        blocks, extra, holders = worker.blocks[tier], worker.extra[tier], self._holders[tier]
+        keep = ~(1 << worker.slot)
         for engine_hash in engine_hashes:
-            sub = blocks.pop(engine_hash, None)
-            if sub is not None:
-                self._release(worker.slot, sub, counts, holders)
-
-    @staticmethod
-    def _release(slot: int, router_hashes: Iterable[int], counts: dict[int, int], holders: dict[int, int]) -> None:
-        keep = ~(1 << slot)
-        for router_hash in router_hashes:
-            n = counts[router_hash] - 1
-            if n:
-                counts[router_hash] = n
+            named = blocks.pop(engine_hash, None)
+            if named is None:
                 continue
-            del counts[router_hash]
-            mask = holders[router_hash] & keep
-            if mask:
-                holders[router_hash] = mask
-            else:
-                del holders[router_hash]
-
-    def _clear(self, worker: _Worker) -> None:
-        for tier in (DEVICE, HOST):
-            counts, holders = worker.counts[tier], self._holders[tier]
-            keep = ~(1 << worker.slot)
-            for router_hash in counts:
+            for router_hash in _router_hashes(named):
+                more = extra.get(router_hash)
+                if more:  # another of this worker's engine blocks still names it
+                    if more == 1:
+                        del extra[router_hash]
+                    else:
+                        extra[router_hash] = more - 1
+                    continue
                 mask = holders[router_hash] & keep
                 if mask:
                     holders[router_hash] = mask
                 else:
                     del holders[router_hash]
-            counts.clear()
+
+    def _clear(self, worker: _Worker) -> None:
+        keep = ~(1 << worker.slot)
+        for tier in (DEVICE, HOST):
+            holders = self._holders[tier]
+            for named in worker.blocks[tier].values():
+                for router_hash in _router_hashes(named):
+                    mask = holders.get(router_hash, 0) & keep
+                    if mask:
+                        holders[router_hash] = mask
+                    else:
+                        holders.pop(router_hash, None)
             worker.blocks[tier].clear()
+            worker.extra[tier].clear()
 
     # ------------------------------------------------------------ queries
     def find_matches(self, hashes: Sequence[int]) -> dict[str, Overlap]:
@@ -248,39 +262,50 @@ class PrefixIndex:
 
 
     def _find_on_device(self, hashes: Sequence[int]) -> dict[str, Overlap]:
-        """find_matches when no worker has a host tier: the hot path, about one lookup per STRIDE blocks.
+        """find_matches when no worker has a host tier: the hot path, a bisection.
 
         Engines keep a worker's blocks prefix-closed on the device (a block is cached only after its
         parent, and a request frees its blocks tail first, so descendants are evicted before their
-        ancestors): a worker holding block i holds blocks 0..i. So the walk checks every STRIDE-th
-        block and, where some workers drop out, walks back over that stride for just those workers.
-        In a 1M-block index each lookup is a cache miss or three; this is what keeps a 32K-token
-        prompt's decision under a millisecond.
+        ancestors): a worker holding block i holds blocks 0..i, and the workers holding block i are a
+        shrinking set as i grows. So the walk looks up the last block, and where some workers hold the
+        first but not the last, halves that range until it finds where each of them stops: about
+        log2(prompt blocks) lookups per distinct depth, not one per block. In a 1M-block index each
+        lookup is a cache miss or three; a 32K-token prompt over 64 workers takes a few dozen.
         """
         get = self._holders[DEVICE].get
-        active = get(hashes[0], 0)
-        if not active:
+        first = get(hashes[0], 0)
+        if not first:
             return {}
-        depth_of: dict[int, int] = {}
         last = len(hashes) - 1
-        held = 0  # index of a block every active worker holds
-        while held < last and active:
-            probe = min(held + STRIDE, last)
-            still = active & get(hashes[probe], 0)
-            if still != active:
-                dropped = active & ~still
-                for k in range(held + 1, probe + 1):  # where in the stride each dropped worker stops
-                    keep = dropped & get(hashes[k], 0)
-                    if keep != dropped:
-                        _record(dropped & ~keep, k, depth_of)
-                        dropped = keep
-                        if not dropped:
-                            break
-                active = still
-            held = probe
-        _record(active, len(hashes), depth_of)
-        owners = self._slot_owner
-        return {owners[slot]: Overlap(d, 0) for slot, d in depth_of.items()}  # type: ignore[misc]
+        through = first & get(hashes[last], 0) if last else first
+        depth_of: dict[int, int] = {}
+        _record(through, last + 1, depth_of)
+        ranges = [(0, last, first, through)]  # (lo, hi, workers holding lo, those of them holding hi)
+        while ranges:
+            lo, hi, at_lo, at_hi = ranges.pop()
+            if at_lo == at_hi:
+                continue
+            if hi == lo + 1:
+                _record(at_lo & ~at_hi, hi, depth_of)
+                continue
+            mid = (lo + hi) // 2
+            at_mid = (at_lo & get(hashes[mid], 0)) | at_hi  # kept monotone whatever the index holds
+            ranges.append((lo, mid, at_lo, at_mid))
+            ranges.append((mid, hi, at_mid, at_hi))
+        owners, overlap = self._slot_owner, _device_overlap
+        return {owners[slot]: overlap(d) for slot, d in depth_of.items()}  # type: ignore[misc]
+
+
+_DEVICE_OVERLAPS: dict[int, Overlap] = {}
+
+
+def _device_overlap(depth: int) -> Overlap:
+    """Overlap(depth, 0), made once per depth (a decision over 64 workers would otherwise build 64)."""
+    found = _DEVICE_OVERLAPS.get(depth)
+    if found is None:
+        found = _DEVICE_OVERLAPS[depth] = Overlap(depth, 0)
+    return found
+
 
 def _record(mask: int, depth: int, into: dict[int, int]) -> None:
     while mask:

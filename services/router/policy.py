@@ -82,20 +82,22 @@ def _key(request: RouteRequest) -> str:
     return request.session_id or request.request_id
 
 
-def _serving_filters(request: RouteRequest, view: RouteView, roles: tuple[str, ...]) -> list[scoring.Filter]:
-    return [scoring.for_model(request.model), scoring.in_roles(roles), scoring.breaker_allows(view.open_breakers),
-            scoring.not_excluded(request.exclude_worker_ids)]
-
-
 def _eligible(request: RouteRequest, view: RouteView, roles: tuple[str, ...],
               more: tuple[scoring.Filter, ...] = ()) -> list[WorkerInfo]:
     """The workers that may serve ``request``: those with a fresh heartbeat, or, when none has one, those whose
     heartbeats went stale together. That is the registry failing, not every worker: its bucket without a leader
     for seconds after its NATS server was lost (a cluster test saw 10 s of no_capacity with every worker up).
-    A worker that did die fails its attempt, which the edge sends elsewhere."""
-    filters = [*_serving_filters(request, view, roles), *more]
-    fresh = scoring.apply_filters(view.workers, [scoring.heartbeat_fresh(view.now), *filters])
-    return fresh or scoring.apply_filters(view.workers, filters)
+    A worker that did die fails its attempt, which the edge sends elsewhere.
+
+    scoring's ``for_model``, ``in_roles``, ``breaker_allows``, ``not_excluded`` and ``heartbeat_fresh`` written out
+    in one pass: this runs over every worker on every decision (a test pins that they agree)."""
+    model, breakers, excluded = request.model, view.open_breakers, request.exclude_worker_ids
+    serving = [w for w in view.workers if w.model == model and w.role in roles and w.worker_id not in breakers
+               and w.worker_id not in excluded]
+    if more:
+        serving = scoring.apply_filters(serving, list(more))
+    now = view.now
+    return [w for w in serving if now - w.ts <= 2.0 * w.heartbeat_ttl_s] or serving
 
 
 def _prefillers(request: RouteRequest, view: RouteView, decoder: WorkerInfo) -> list[WorkerInfo]:
@@ -153,13 +155,20 @@ class KvAwarePolicy:
 
     def _costs(self, candidates: list[WorkerInfo], num_prompt_blocks: int, matches: dict[str, Overlap],
                loads: LoadView) -> dict[str, float]:
-        weights, block_size, cost = self.config.weights, self.index.block_size, scoring.worker_cost
+        """``scoring.worker_cost`` of every candidate, written out inline: the loop every decision runs over
+        every worker (a test pins that the two agree)."""
+        weights, block_size = self.config.weights, self.index.block_size
+        w_prefill, w_decode, w_usage, w_host = weights.prefill, weights.decode, weights.kv_usage, weights.host_overlap
+        figures, overlap_of = loads.figures, matches.get
         costs = {}
         for w in candidates:
-            queued, active = loads.figures(w)
+            queued, active = figures(w)
+            overlap = overlap_of(w.worker_id)
+            new = num_prompt_blocks - overlap.device - w_host * overlap.host if overlap else num_prompt_blocks
             capacity = w.num_kv_blocks * w.block_size
-            costs[w.worker_id] = cost(weights, num_prompt_blocks, matches.get(w.worker_id, NO_OVERLAP), queued,
-                                      active, active / capacity if capacity else 0.0, block_size)
+            costs[w.worker_id] = (w_prefill * (max(new, 0.0) + queued / block_size)
+                                  + w_decode * (active / block_size + num_prompt_blocks)
+                                  + w_usage * (active / capacity if capacity else 0.0))
         return costs
 
     def _pick_prefill(self, request: RouteRequest, view: RouteView, decoder: WorkerInfo, num_prompt_blocks: int,

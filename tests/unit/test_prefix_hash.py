@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import random
-import struct
+from array import array
 
+import numpy as np
 import pytest
 
 from shared.prefix_hash import (
     DEFAULT_BLOCK_SIZE,
     PrefixHashes,
+    _chain_numpy,
+    _chain_python,
+    _tokens_bytes,
     chain,
     prompt_hashes,
     salt_root,
@@ -24,14 +28,35 @@ def toks(n: int, start: int = 0) -> list[int]:
     return list(range(start, start + n))
 
 
+def splitmix_odd(count: int) -> list[int]:
+    out, state, m = [], 0x243F6A8885A308D3, 2**64
+    for _ in range(count):
+        state = (state + 0x9E3779B97F4A7C15) % m
+        z = (state ^ (state >> 30)) * 0xBF58476D1CE4E5B9 % m
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB % m
+        out.append((z ^ (z >> 31)) | 1)
+    return out
+
+
+def fmix64(x: int) -> int:
+    m = 2**64
+    x ^= x >> 33
+    x = x * 0xFF51AFD7ED558CCD % m
+    x ^= x >> 33
+    x = x * 0xC4CEB9FE1A85EC53 % m
+    return x ^ (x >> 33)
+
+
 def reference(token_ids: list[int], model: str, lora=None, salt: str | None = None, block_size: int = BS) -> list[int]:
-    """The docstring's formula written out by hand: blake2b-64 over little-endian int32 tokens, chained."""
+    """The docstring's formula written out by hand: a blake2b-64 root, per block fmix64 of the tokens (as uint32)
+    times the position multipliers, chained as hash * P + digest, all mod 2**64."""
     key = "\x1f".join((model, "" if lora is None else str(lora), salt or ""))
     parent = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
-    out = []
+    rs, out = splitmix_odd(block_size), []
     for i in range(len(token_ids) // block_size):
-        block = struct.pack(f"<{block_size}i", *token_ids[i * block_size:(i + 1) * block_size])
-        parent = int.from_bytes(hashlib.blake2b(parent.to_bytes(8, "little") + block, digest_size=8).digest(), "little")
+        block = [t % 2**32 for t in token_ids[i * block_size:(i + 1) * block_size]]
+        digest = fmix64(sum(t * r for t, r in zip(block, rs, strict=True)) % 2**64)
+        parent = (parent * 0x9E3779B97F4A7C15 + digest) % 2**64
         out.append(parent)
     return out
 
@@ -53,8 +78,8 @@ def test_pinned_values():
     # pinned: a change of hash function or encoding breaks every edge/router pair that mirrors it
     assert salt_root("m") == 0x41C6CB01F379FF54
     assert salt_root("m", None, "tenant") == 0xB50C367DE9F79E21
-    assert prompt_hashes(toks(40), "m", None, None, 16) == [0x1BF5834E2E99758D, 0xB140C673FC51C0ED]
-    assert prompt_hashes(toks(8), "m", 2, "s", 4) == [0x017FD4D5F34958EE, 0x73596C5847BFE743]
+    assert prompt_hashes(toks(40), "m", None, None, 16) == [0x31EAD21733BF7F1D, 0x5E3600D729FAD170]
+    assert prompt_hashes(toks(8), "m", 2, "s", 4) == [0xFAF0E58BC7AC28D5, 0xA23950DBDAA3D4A9]
 
 
 @pytest.mark.parametrize("ids, model, lora, salt, block_size", [
@@ -62,6 +87,9 @@ def test_pinned_values():
     (toks(8), "m", 2, "s", 4),
     ([0, 2**31 - 1, 7, 123456] * 8, "model/x", "adapter", "tenant-a", 8),
     (toks(100, 50_000), "m", None, "t", 32),
+    (toks(16 * 40, 7), "m", None, "t", 16),  # long enough for the vectorized path
+    ([-1, -2**31, 5, 2**32 - 1] * 64, "m", None, None, 16),  # ids outside int32 taken as uint32, both paths
+    ([-1, 3] * 8, "m", None, None, 16),
 ])
 def test_matches_the_documented_formula_with_little_endian_int32(ids, model, lora, salt, block_size):
     assert prompt_hashes(ids, model, lora, salt, block_size) == reference(ids, model, lora, salt, block_size)
@@ -140,6 +168,17 @@ def test_chain_continues_a_chain(split_blocks):
     tail = chain(parent, ids[split_blocks * BS:], BS)
     assert head + tail == whole
     assert len(head) == split_blocks
+
+
+@pytest.mark.parametrize("blocks", [1, 7, 8, 9, 300])
+def test_the_vectorized_and_plain_paths_agree_on_every_input_type(blocks):
+    rng = random.Random(blocks)
+    ids = [rng.randrange(2**32) for _ in range(blocks * BS + 3)]
+    parent = rng.randrange(2**64)
+    expected = [h for h in _chain_python(parent, ids, blocks, BS)]
+    assert _chain_numpy(parent, np.array(ids, dtype=np.uint32), blocks, BS) == expected
+    assert chain(parent, ids, BS) == chain(parent, tuple(ids), BS) == expected
+    assert chain(parent, array("I", ids), BS) == chain(parent, _tokens_bytes(ids), BS) == expected
 
 
 def test_chain_of_nothing_is_empty_and_parent_matters():

@@ -3,9 +3,11 @@ chains recomputed from engine events, longest-prefix matching, refcounts, slots,
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from services.router.index import DEVICE, HOST, STRIDE, Overlap, PrefixIndex, tier_of
+from services.router.index import DEVICE, HOST, Overlap, PrefixIndex, tier_of
 from shared.prefix_hash import prompt_hashes
 from shared.schema import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -168,15 +170,30 @@ def test_one_worker_removing_a_block_leaves_the_other_holder_alone():
 
 
 def test_the_device_walk_assumes_prefix_closed_workers():
-    # Engines never leave a hole (a block cached without its parent): the device-only walk checks
-    # every STRIDE-th block and so counts through one. Pinned, so that changing it is a decision.
+    # Engines never leave a hole (a block cached without its parent): the device-only walk bisects
+    # and so counts through one it does not look at. Pinned, so that changing it is a decision.
     index = make("a")
-    p = toks(STRIDE + 1)
+    p = toks(9)
     ha = hold(index, "a", p, 100)
     index.apply("a", [removed([ha[3]])])
-    assert index.find_matches(ph(p)) == {"a": Overlap(STRIDE + 1, 0)}
-    index.apply("a", [removed([ha[STRIDE]])])  # a drop seen at a probe is located by walking its stride
-    assert index.find_matches(ph(p)) == {"a": Overlap(3, 0)}
+    assert index.find_matches(ph(p)) == {"a": Overlap(9, 0)}  # the last block is held: the whole prompt
+    index.apply("a", [removed([ha[8]])])  # now the drop is located by halving: 4, 6, 7 held
+    assert index.find_matches(ph(p)) == {"a": Overlap(8, 0)}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_bisection_finds_every_workers_depth_as_a_walk_would(seed):
+    rng = random.Random(seed)
+    names = [f"w{i}" for i in range(12)]
+    index = make(*names)
+    p = toks(rng.randrange(1, 80))
+    expected = {}
+    for n, name in enumerate(names):
+        depth = rng.choice([0, 0, 1, len(p) // BS, rng.randrange(len(p) // BS + 1)])
+        if depth:
+            hold(index, name, p[:depth * BS] + toks(2, 10_000 * (n + 1)), 1000 * (n + 1))
+            expected[name] = Overlap(depth, 0)
+    assert index.find_matches(ph(p)) == expected
 
 
 # ------------------------------------------------------------ engine block sizes

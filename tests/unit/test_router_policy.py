@@ -313,3 +313,41 @@ def test_when_every_worker_is_full_the_cost_still_decides():
     cached(policy.index, "b", prompt)
     plan = route(policy, ws, request(prompt), loads(snap("a", running=1), snap("b", running=1)))
     assert plan.reply.worker_id == "b"
+
+
+# ------------------------------------------------------------ the hot loops written out inline
+@pytest.mark.parametrize("seed", range(5))
+def test_the_inline_costs_equal_worker_cost_and_the_inline_filters_equal_scoring_filters(seed):
+    import random
+
+    from services.router import policy as policy_module, scoring
+    from services.router.index import Overlap
+
+    rng = random.Random(seed)
+    workers = [worker(f"w{i}", role=rng.choice(["both", "decode", "prefill"]), model=rng.choice(["m", "m", "x"]),
+                      num_kv_blocks=rng.choice([0, 500, 1000])) for i in range(24)]
+    workers = [w if rng.random() < 0.7 else type(w)(**{**{f: getattr(w, f) for f in w.__struct_fields__},
+                                                        "ts": NOW - rng.choice([1.0, 60.0])}) for w in workers]
+    weights = CostWeights(prefill=rng.uniform(0, 2), decode=rng.uniform(0, 2), kv_usage=rng.uniform(0, 3),
+                          host_overlap=rng.uniform(0, 1))
+    policy, _ = setup(*workers, weights=weights)
+    view_loads = loads(*[snap(w.worker_id, blocks=rng.randrange(900), prefill=rng.randrange(5000))
+                         for w in workers if rng.random() < 0.8])
+    matches = {w.worker_id: Overlap(rng.randrange(40), rng.randrange(10)) for w in workers if rng.random() < 0.5}
+    blocks = rng.randrange(1, 50)
+    got = policy._costs(workers, blocks, matches, view_loads)
+    for w in workers:
+        queued, active = view_loads.figures(w)
+        capacity = w.num_kv_blocks * w.block_size
+        assert got[w.worker_id] == pytest.approx(scoring.worker_cost(
+            weights, blocks, matches.get(w.worker_id, Overlap()), queued, active,
+            active / capacity if capacity else 0.0, BS), rel=1e-12, abs=1e-12)
+
+    req = request(exclude=[w.worker_id for w in workers if rng.random() < 0.2])
+    breakers = frozenset(w.worker_id for w in workers if rng.random() < 0.2)
+    view = RouteView(workers, view_loads, NOW, breakers)
+    for roles in (("both", "decode"), ("prefill",)):
+        filters = [scoring.for_model(req.model), scoring.in_roles(roles), scoring.breaker_allows(breakers),
+                   scoring.not_excluded(req.exclude_worker_ids)]
+        fresh = scoring.apply_filters(workers, [scoring.heartbeat_fresh(NOW), *filters])
+        assert policy_module._eligible(req, view, roles) == (fresh or scoring.apply_filters(workers, filters))
