@@ -33,13 +33,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
 MODEL = "bench-model"
 PROMPT_TOKENS = (2048, 8192, 32768)
 DYNAMO_PYTHON = "/tmp/dynamo-venv/bin/python"
-Event = tuple  # (parent block id or None, [block ids])
+REMOVED = -1  # an event (REMOVED, ids) evicts those blocks (leaf first); (parent or None, ids) stores them
+Event = tuple
 
 
 def tokens_of(block_ids: list[int], block_size: int) -> list[int]:
@@ -67,9 +69,16 @@ class Workload:
     events: list[list[Event]] = field(default_factory=list)  # per worker, in order
     apps_on: list[set[int]] = field(default_factory=list)  # per worker: apps whose system prompt it holds
     next_id: int = 1
+    stored: int = 0  # blocks stored so far, removed ones included
 
     @property
     def num_blocks(self) -> int:
+        """Blocks held once every event is applied."""
+        return sum(len(ids) * (-1 if parent == REMOVED else 1) for evs in self.events for parent, ids in evs)
+
+    @property
+    def num_touched(self) -> int:
+        """Blocks stored or removed by the events."""
         return sum(len(ids) for evs in self.events for _, ids in evs)
 
     @property
@@ -90,12 +99,30 @@ def _store(w: Workload, rng: random.Random, worker: int, s: Session, depth: int,
             if pos >= depth:
                 break
             events.append((s.chain[pos - 1] if pos else None, s.chain[pos:pos + size]))
+            w.stored += min(size, depth - pos)
             pos += size
 
 
+def _evict(w: Workload, rng: random.Random, left: list[int]) -> None:
+    """A random live session leaves every worker that holds it, its own blocks removed leaf first (its app's
+    system prompt stays: other sessions share it)."""
+    s = w.sessions.pop(rng.randrange(len(w.sessions)))
+    sys_len = len(w.system[s.app])
+    for worker, depth in ((s.primary, len(s.chain)), (s.replica, s.replica_depth)):
+        if worker is None or depth <= sys_len:
+            continue
+        own = s.chain[sys_len:depth][::-1]
+        for i in range(0, len(own), 128):
+            w.events[worker].append((REMOVED, own[i:i + 128]))
+        left[worker] += len(own)
+
+
 def make_workload(num_workers: int, total_blocks: int, *, num_apps: int = 4, replica_frac: float = 0.25,
-                  min_history: int = 64, max_history: int = 2560, block_size: int = 16, seed: int = 0) -> Workload:
-    """Sessions stored on workers until the workers hold `total_blocks` blocks between them."""
+                  evict_frac: float = 0.3, min_history: int = 64, max_history: int = 2560, block_size: int = 16,
+                  seed: int = 0) -> Workload:
+    """Sessions stored on workers until the workers hold `total_blocks` blocks between them; after a session is
+    stored, with probability `evict_frac` an earlier one is evicted (its room reused by later sessions), until
+    `total_blocks` have been stored in all (so the fill ends)."""
     rng = random.Random(seed)
     w = Workload(block_size, num_workers, [], events=[[] for _ in range(num_workers)],
                  apps_on=[set() for _ in range(num_workers)])
@@ -131,6 +158,8 @@ def make_workload(num_workers: int, total_blocks: int, *, num_apps: int = 4, rep
             left[s.replica] -= cost(s.replica, app) + s.replica_depth - len(w.system[app])
             _store(w, rng, s.replica, s, s.replica_depth, turns=False)
         w.sessions.append(s)
+        if len(w.sessions) > 1 and w.stored < total_blocks and rng.random() < evict_frac:
+            _evict(w, rng, left)
 
 
 def make_queries(w: Workload, prompt_blocks: int, count: int, seed: int = 1) -> list[tuple[list[int], dict[int, int]]]:
@@ -170,7 +199,7 @@ def bench_ours(w: Workload, queries: dict[int, list], *, batch: int = 32) -> dic
     """Ingest every worker's events into a fresh PrefixIndex (timing apply only), then time find_matches."""
     from services.router.index import PrefixIndex
     from shared.prefix_hash import prompt_hashes
-    from shared.schema import BlockStored
+    from shared.schema import BlockRemoved, BlockStored
 
     gc.collect()
     rss0 = rss_bytes()
@@ -178,14 +207,15 @@ def bench_ours(w: Workload, queries: dict[int, list], *, batch: int = 32) -> dic
     busy = 0.0
     for worker, evs in enumerate(w.events):
         index.add_worker(f"w{worker}", MODEL)
-        structs = [BlockStored(ids, parent, tokens_of(ids, w.block_size), w.block_size) for parent, ids in evs]
+        structs = [BlockRemoved(ids) if parent == REMOVED else
+                   BlockStored(ids, parent, tokens_of(ids, w.block_size), w.block_size) for parent, ids in evs]
         for i in range(0, len(structs), batch):
             t0 = time.perf_counter()
             index.apply(f"w{worker}", structs[i:i + batch])
             busy += time.perf_counter() - t0
     del structs
     gc.collect()
-    out = {"ingest_s": busy, "events_per_s": w.num_events / busy, "blocks_per_s": w.num_blocks / busy,
+    out = {"ingest_s": busy, "events_per_s": w.num_events / busy, "blocks_per_s": w.num_touched / busy,
            "rss_growth_mb": (rss_bytes() - rss0) / 2**20, "skipped_blocks": index.num_skipped_blocks,
            "find_matches": {}, "mismatches": 0}
     for size, qs in queries.items():
@@ -199,18 +229,21 @@ def bench_ours(w: Workload, queries: dict[int, list], *, batch: int = 32) -> dic
             ns.append(time.perf_counter_ns() - t0)
             out["mismatches"] += {int(k[1:]): v.blocks for k, v in got.items()} != expected
         out["find_matches"][size] = _lat_us(ns)
-        routed = bench_policy(index, w, size, hashes, [expected for _, expected in qs])
+        tokens = [array("I", tokens_of(ids, w.block_size)) for ids, _ in qs]  # as the edge holds them
+        routed = bench_policy(index, w, size, tokens, [expected for _, expected in qs])
         if routed is not None:
             out.setdefault("route", {})[size] = routed
     out["index"] = index
     return out
 
 
-def bench_policy(index, w: Workload, size: int, hashes: list[list[int]], expected: list[dict]) -> dict | None:
-    """The whole routing decision (filters, find_matches, costs, pick) with the edge's hashes given;
-    None when services/router/policy.py has no KvAwarePolicy."""
+def bench_policy(index, w: Workload, size: int, tokens: list[array], expected: list[dict]) -> dict | None:
+    """The whole routing decision (the prompt's hashes from its token ids, then filters, find_matches, costs,
+    pick); None when services/router/policy.py has no KvAwarePolicy. Hashing is the edge's in the mesh, timed
+    here with the router's work as one decision, as Dynamo's router does both."""
     import services.router.policy as policy
     from services.router.scoring import LoadView
+    from shared.prefix_hash import prompt_hashes
     from shared.schema import LoadSnapshot, RouteRequest, WorkerInfo
 
     if not hasattr(policy, "KvAwarePolicy"):
@@ -225,10 +258,10 @@ def bench_policy(index, w: Workload, size: int, hashes: list[list[int]], expecte
                                    num_prefill_tokens=rng.randint(0, 4096)))
     view, router = policy.RouteView(workers, loads, now), policy.KvAwarePolicy(index)
     ns, best = [], 0
-    for n, (h, exp) in enumerate(zip(hashes, expected, strict=True)):
-        request = RouteRequest(f"r{n}", MODEL, len(h) * w.block_size, f"s{n}", block_hashes=h,
-                               block_size=w.block_size)
+    for n, (ids, exp) in enumerate(zip(tokens, expected, strict=True)):
         t0 = time.perf_counter_ns()
+        h = prompt_hashes(ids, MODEL, block_size=w.block_size)
+        request = RouteRequest(f"r{n}", MODEL, len(ids), f"s{n}", block_hashes=h, block_size=w.block_size)
         plan = router.route(request, view)
         ns.append(time.perf_counter_ns() - t0)
         best += exp.get(int(plan.reply.worker_id[1:]), 0) == max(exp.values())
@@ -245,10 +278,14 @@ def dynamo_worker(workload_path: str, result_path: str) -> None:
     payloads = []  # (worker, serialized event), built before any timing
     for worker, evs in enumerate(spec["events"]):
         for n, (parent, ids) in enumerate(evs):
-            blocks = [{"block_hash": b, "tokens_hash": h} for b, h in zip(ids, local(ids), strict=True)]
-            payloads.append((worker, json.dumps({"event_id": n, "data": {"stored": {
-                "parent_hash": parent, "blocks": blocks}}}).encode()))
+            if parent == REMOVED:
+                data = {"removed": {"block_hashes": ids}}
+            else:
+                blocks = [{"block_hash": b, "tokens_hash": h} for b, h in zip(ids, local(ids), strict=True)]
+                data = {"stored": {"parent_hash": parent, "blocks": blocks}}
+            payloads.append((worker, json.dumps({"event_id": n, "data": data}).encode()))
     queries = {int(k): [local(ids) for ids in qs] for k, qs in spec["queries"].items()}
+    prompts = {int(k): [tokens_of(ids, bs) for ids in qs] for k, qs in spec["queries"].items()}
     runs = []
     for rep in range(spec["reps"]):
         gc.collect()
@@ -271,6 +308,12 @@ def dynamo_worker(workload_path: str, result_path: str) -> None:
                 if rep == 0:
                     run["scores"].setdefault(size, []).append({str(k[0]): v for k, v in scores.items()})
             run["find_matches"][size] = ns
+            ns = []
+            for tokens in prompts[size]:  # the decision with its hashing: Python's only way in is a list
+                t1 = time.perf_counter_ns()
+                tree.find_matches(compute_block_hash_for_seq(tokens, bs))
+                ns.append(time.perf_counter_ns() - t1)
+            run.setdefault("decide", {})[size] = ns
         runs.append(run)
         del tree
     from importlib import metadata
@@ -291,82 +334,13 @@ def bench_dynamo(w: Workload, queries: dict[int, list], reps: int, python: str) 
     runs = []
     for run in raw["runs"]:
         runs.append({"ingest_s": run["ingest_s"], "events_per_s": w.num_events / run["ingest_s"],
-                     "blocks_per_s": w.num_blocks / run["ingest_s"], "rss_growth_mb": run["rss_growth_mb"],
-                     "find_matches": {int(k): _lat_us(ns) for k, ns in run["find_matches"].items()}})
+                     "blocks_per_s": w.num_touched / run["ingest_s"], "rss_growth_mb": run["rss_growth_mb"],
+                     "find_matches": {int(k): _lat_us(ns) for k, ns in run["find_matches"].items()},
+                     "route": {int(k): _lat_us(ns) for k, ns in run["decide"].items()}})
     scores = raw["runs"][0]["scores"]
     mismatches = sum({int(k): v for k, v in got.items()} != expected
                      for size, qs in queries.items() for got, (_, expected) in zip(scores[str(size)], qs, strict=True))
     return {"version": raw["version"], "runs": runs, "mismatches": mismatches}
-
-
-# ------------------------------------------------------------------ report
-def median_run(runs: list[dict]) -> dict:
-    """Median over repetitions of every figure (RSS from the first: later ones reuse freed memory)."""
-    med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
-    sizes = runs[0]["find_matches"]
-    return {"ingest_s": med("ingest_s"), "events_per_s": med("events_per_s"), "blocks_per_s": med("blocks_per_s"),
-            "rss_growth_mb": runs[0]["rss_growth_mb"],
-            "find_matches": {s: {k: statistics.median(r["find_matches"][s][k] for r in runs)
-                                 for k in ("p50_us", "p99_us", "mean_us")} for s in sizes},
-            **({"route": {s: {k: statistics.median(r["route"][s][k] for r in runs)
-                              for k in ("p50_us", "p99_us", "mean_us", "picked_max_overlap")} for s in sizes}}
-               if "route" in runs[0] else {})}
-
-
-def markdown(result: dict) -> str:
-    rows = ["| index | ingest blocks/s | ingest events/s | RSS growth MB | "
-            + " | ".join(f"{t // 1024}K p50 / p99 us" for t in result["prompt_tokens"]) + " |",
-            "|---|---:|---:|---:|" + "---:|" * len(result["prompt_tokens"])]
-    for name, r in result["indexes"].items():
-        fm = [f"{r['find_matches'][t // result['block_size']]['p50_us']:,.0f} / "
-              f"{r['find_matches'][t // result['block_size']]['p99_us']:,.0f}" for t in result["prompt_tokens"]]
-        rows.append(f"| {name} | {r['blocks_per_s']:,.0f} | {r['events_per_s']:,.0f} | {r['rss_growth_mb']:,.0f} | "
-                    + " | ".join(fm) + " |")
-    for name, r in result["indexes"].items():
-        if "route" in r:
-            route = [r["route"][t // result["block_size"]] for t in result["prompt_tokens"]]
-            rows.append(f"| {name}: whole KvAwarePolicy.route | | | | "
-                        + " | ".join(f"{x['p50_us']:,.0f} / {x['p99_us']:,.0f}" for x in route) + " |")
-    return "\n".join(rows) + "\n"
-
-
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = plt.get_cmap("tab10").colors
-    series = {name: r for name, r in result["indexes"].items()}
-    for name, r in result["indexes"].items():
-        if "route" in r:  # the whole routing decision, drawn in the latency panel only
-            series[f"{name.split()[0]} KvAwarePolicy.route"] = {"find_matches": r["route"]}
-    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
-    ticks = [f"{t // 1024}K p{q}" for t in result["prompt_tokens"] for q in (50, 99)]
-    panels = [("Event ingest", "blocks/s", lambda r: [r["blocks_per_s"]], [f"{result['blocks']:,}-block build"]),
-              ("find_matches latency (hashing excluded)", "microseconds (log)",
-               lambda r: [r["find_matches"][t // result["block_size"]][f"p{q}_us"]
-                          for t in result["prompt_tokens"] for q in (50, 99)], ticks),
-              ("Memory", "RSS growth (MB)", lambda r: [r["rss_growth_mb"]], ["full index"])]
-    for ax, (title, ylabel, values, ticks) in zip(axes, panels, strict=True):
-        names = [n for n in series if "blocks_per_s" in series[n] or title.startswith("find")]
-        width = 0.8 / len(names)
-        for j, name in enumerate(names):
-            xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(ticks))]
-            vals = values(series[name])
-            bars = ax.bar(xs, vals, width, color=colors[j], label=name)
-            ax.bar_label(bars, labels=[f"{v:,.0f}" for v in vals], fontsize=7, padding=2)
-        ax.set_xticks(range(len(ticks)), ticks, fontsize=8)
-        ax.set_title(title)
-        ax.set_ylabel(ylabel)
-        if title.startswith("find"):
-            ax.set_yscale("log")
-        ax.margins(y=0.15)
-    axes[1].legend(fontsize=8)
-    fig.suptitle(f"Router KV index: {result['workers']} workers, {result['blocks']:,} blocks held")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -382,6 +356,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.dynamo_worker:
         return dynamo_worker(*args.dynamo_worker)
+    from loadtests.lib.index_bench_report import markdown, median_run, plot  # not in the Dynamo venv's process
 
     t0 = time.perf_counter()
     w = make_workload(args.workers, args.blocks, seed=args.seed)
@@ -421,8 +396,10 @@ def main(argv: list[str] | None = None) -> None:
     table = markdown(result)
     (out / "index_bench.md").write_text(
         f"# {result['title']}\n\n```\n{result['command']}\n```\n\n{w.num_blocks:,} blocks held by {args.workers} "
-        f"workers ({w.num_events:,} BlockStored events, {len(w.sessions):,} sessions); medians of {args.reps} "
-        f"builds; find_matches over {args.queries} prompts per size, hashing excluded.\n\n{table}\n"
+        f"workers at the end ({w.num_events:,} events storing or removing {w.num_touched:,} blocks; "
+        f"{len(w.sessions):,} sessions held); medians of {args.reps} builds; ingest blocks/s counts stored and "
+        f"removed blocks; find_matches over {args.queries} prompts per size, hashing excluded; the decision "
+        f"rows include hashing the prompt's token ids.\n\n{table}\n"
         f"Checks: {json.dumps(checks)}. Notes: {json.dumps(notes)}\n")
     print(table + json.dumps({"checks": checks, "notes": notes}, indent=1))
 

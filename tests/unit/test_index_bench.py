@@ -4,20 +4,27 @@ from __future__ import annotations
 
 import json
 
-from loadtests.index_bench import MODEL, bench_ours, main, make_queries, make_workload, tokens_of
+from loadtests.index_bench import MODEL, REMOVED, bench_ours, main, make_queries, make_workload, tokens_of
 from shared.prefix_hash import prompt_hashes
 
 
 def test_workload_holds_the_requested_blocks_in_valid_chains():
-    w = make_workload(4, 4000, seed=3)
-    assert 4000 <= w.num_blocks <= 4000 + 4 * 128  # at most one system prompt of overshoot per worker
+    w = make_workload(4, 20_000, seed=3)
+    assert 20_000 <= w.num_blocks <= 20_000 + 4 * 128  # at most one system prompt of overshoot per worker
     assert len(w.sessions) > 4 and any(s.replica is not None for s in w.sessions)
+    removed = 0
     for evs in w.events:
         held: set[int] = set()
         for parent, ids in evs:
+            if parent == REMOVED:  # evictions take held blocks, leaf first
+                assert set(ids) <= held and ids == sorted(ids, reverse=True)
+                held -= set(ids)
+                removed += len(ids)
+                continue
             assert parent is None or parent in held  # every event's parent was stored on that worker before
             assert not held & set(ids)
             held.update(ids)
+    assert removed > 0 and w.num_touched == w.num_blocks + 2 * removed
     # distinct blocks never share their tokens
     some = list(range(1, 3000)) + [50_000 * 7 + 1, 2**31]
     assert len({tuple(tokens_of([b], 16)) for b in some}) == len(some)

@@ -1,0 +1,88 @@
+"""loadtests/index_bench.py's report: medians over repetitions, the markdown table and the figure."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+
+def median_run(runs: list[dict]) -> dict:
+    """Median over repetitions of every figure (RSS from the first: later ones reuse freed memory)."""
+    med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
+    sizes = runs[0]["find_matches"]
+    return {"ingest_s": med("ingest_s"), "events_per_s": med("events_per_s"), "blocks_per_s": med("blocks_per_s"),
+            "rss_growth_mb": runs[0]["rss_growth_mb"],
+            "find_matches": {s: {k: statistics.median(r["find_matches"][s][k] for r in runs)
+                                 for k in ("p50_us", "p99_us", "mean_us")} for s in sizes},
+            **({"route": {s: {k: statistics.median(r["route"][s][k] for r in runs) for k in runs[0]["route"][s]
+                              if k != "n"} for s in sizes}}
+               if "route" in runs[0] else {})}
+
+
+ROUTE_LABEL = "decision, hashing included"  # ours: prompt_hashes + KvAwarePolicy.route; Dynamo: its hash + find_matches
+
+
+def markdown(result: dict) -> str:
+    rows = ["| index | ingest blocks/s | ingest events/s | RSS growth MB | "
+            + " | ".join(f"{t // 1024}K p50 / p99 us" for t in result["prompt_tokens"]) + " |",
+            "|---|---:|---:|---:|" + "---:|" * len(result["prompt_tokens"])]
+    for name, r in result["indexes"].items():
+        fm = [f"{r['find_matches'][t // result['block_size']]['p50_us']:,.0f} / "
+              f"{r['find_matches'][t // result['block_size']]['p99_us']:,.0f}" for t in result["prompt_tokens"]]
+        rows.append(f"| {name} | {r['blocks_per_s']:,.0f} | {r['events_per_s']:,.0f} | {r['rss_growth_mb']:,.0f} | "
+                    + " | ".join(fm) + " |")
+    for name, r in result["indexes"].items():
+        if "route" in r:
+            route = [r["route"][t // result["block_size"]] for t in result["prompt_tokens"]]
+            rows.append(f"| {name}: {ROUTE_LABEL} | | | | "
+                        + " | ".join(f"{x['p50_us']:,.0f} / {x['p99_us']:,.0f}" for x in route) + " |")
+    rows += ["", "Decisions per second, one process, hashing included (1 / mean decision time):", "",
+             "| index | " + " | ".join(f"{t // 1024}K" for t in result["prompt_tokens"]) + " |",
+             "|---|" + "---:|" * len(result["prompt_tokens"])]
+    for name, r in result["indexes"].items():
+        if "route" in r:
+            rows.append(f"| {name} | " + " | ".join(
+                f"{1e6 / r['route'][t // result['block_size']]['mean_us']:,.0f}" for t in result["prompt_tokens"])
+                + " |")
+    return "\n".join(rows) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = plt.get_cmap("tab10").colors
+    series = {name: r for name, r in result["indexes"].items()}
+    for name, r in result["indexes"].items():
+        if "route" in r:  # the whole routing decision, drawn in the latency panel only
+            series[f"{name.split()[0]} {ROUTE_LABEL}"] = {"find_matches": r["route"]}
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    ticks = [f"{t // 1024}K p{q}" for t in result["prompt_tokens"] for q in (50, 99)]
+    panels = [("Event ingest", "blocks/s", lambda r: [r["blocks_per_s"]], [f"{result['blocks']:,}-block build"]),
+              ("find_matches latency (hashing excluded)", "microseconds (log)",
+               lambda r: [r["find_matches"][t // result["block_size"]][f"p{q}_us"]
+                          for t in result["prompt_tokens"] for q in (50, 99)], ticks),
+              ("Memory", "RSS growth (MB)", lambda r: [r["rss_growth_mb"]], ["full index"])]
+    for ax, (title, ylabel, values, ticks) in zip(axes, panels, strict=True):
+        names = [n for n in series if "blocks_per_s" in series[n] or title.startswith("find")]
+        width = 0.8 / len(names)
+        for j, name in enumerate(names):
+            xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(ticks))]
+            vals = values(series[name])
+            bars = ax.bar(xs, vals, width, color=colors[j], label=name)
+            ax.bar_label(bars, labels=[f"{v:,.0f}" for v in vals], fontsize=7, padding=2)
+        ax.set_xticks(range(len(ticks)), ticks, fontsize=8)
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+        if title.startswith("find"):
+            ax.set_yscale("log")
+        ax.margins(y=0.15)
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"Router KV index: {result['workers']} workers, {result['blocks']:,} blocks held")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
