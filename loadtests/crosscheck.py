@@ -17,8 +17,20 @@ polynomials), and both are summarized by the same code (loadtests/lib/report.sum
     .venv/bin/python -m loadtests.crosscheck            # 4 and 8 workers, the whole trace
     .venv/bin/python -m loadtests.crosscheck --workers 4 --limit 500 --out-stem /tmp/cc
 
+With ``--router-mode kv_router`` Dynamo routes with its KV router (its default KvRouterConfig) and our
+side runs ``--policies`` (default ``kv_aware``; any loadtests/lib/policy_spec.py spec, e.g.
+``round_robin,kv_aware,kv_aware:decode=0.1``). Dynamo's KV router breaks cost ties at random, unseeded
+(``minimum_cost_index`` in lib/kv-router/src/scheduling/selector/default.rs), so its replay varies from
+run to run: ``--dynamo-runs N`` replays it N times and reports each figure's median (every run is in the
+JSON). ``--bounds`` adds the infinite-cache and pooled-LRU hit rates of the trace's requests
+(loadtests/lib/cache_bounds.py) and splits every row's gap to the ceiling into capacity and placement.
+
+    .venv/bin/python -m loadtests.crosscheck --workers 16 --num-gpu-blocks 8192 \
+        --router-mode round_robin kv_router --policies round_robin,kv_aware,kv_aware:decode=0.1 \
+        --dynamo-runs 9 --bounds --out-stem /tmp/mr
+
 Writes <out-stem>.json and .png (loadtests/lib/report.write_report) and prints markdown tables.
-docs/results/dynamo_crosscheck.md explains the differences.
+docs/results/dynamo_crosscheck.md explains the differences; docs/results/mooncake_routing/ the routing runs.
 """
 
 from __future__ import annotations
@@ -28,13 +40,16 @@ import json
 import math
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from loadtests.lib.cache_bounds import Recording, bounds_table, gap_split, hit_bounds, replayed
 from loadtests.lib.fleet_sim import FleetConfig, FleetSim
+from loadtests.lib.policy_spec import fleet_overrides
 from loadtests.lib.report import RequestRecord, summarize, write_markdown_table, write_report
 from loadtests.lib.stats import percentile
 from loadtests.lib.workloads import MooncakeTrace
@@ -49,23 +64,30 @@ INSTALL_HINT = ("python3 -m venv /tmp/dynamo-venv && "
 OURS, THEIRS = "infermesh-sim (dynamo cost)", "dynamo mocker"
 
 
-def run_ours(args: argparse.Namespace, workers: int) -> tuple[list[RequestRecord], float]:
-    """Our fleet sim with Dynamo's step-time polynomials: its records and its wall time (s)."""
+def run_ours(args: argparse.Namespace, workers: int, policy: str = "round_robin"
+             ) -> tuple[list[RequestRecord], float, dict | None]:
+    """Our fleet sim with Dynamo's step-time polynomials: its records, its wall time (s) and, with
+    ``--bounds``, the hit-rate bounds of its requests."""
     capacity = args.num_gpu_blocks * args.block_size
     config = FleetConfig(
-        profile=load_profile(args.profile), num_workers=workers, policy="round_robin",
+        profile=load_profile(args.profile), num_workers=workers,
         block_size=args.block_size, num_kv_blocks=args.num_gpu_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        host_kv=False, label=f"{OURS} {workers}w", cost=lambda: DynamoPolynomialCost(capacity))
+        host_kv=False, label=f"{OURS} {workers}w", cost=lambda: DynamoPolynomialCost(capacity),
+        **fleet_overrides(policy))
+    workload = Recording(MooncakeTrace(args.trace, block_tokens=args.trace_block_size, limit=args.limit))
     t0 = time.perf_counter()
-    result = FleetSim(config).run(MooncakeTrace(args.trace, block_tokens=args.trace_block_size, limit=args.limit))
-    return result.records, time.perf_counter() - t0
+    result = FleetSim(config).run(workload)
+    wall = time.perf_counter() - t0
+    bounds = (hit_bounds(replayed(result.records, workload), args.block_size, workers * args.num_gpu_blocks)
+              if args.bounds else None)
+    return result.records, wall, bounds
 
 
-def dynamo_command(args: argparse.Namespace, workers: int, out: str) -> list[str]:
-    """The dynamo_crosscheck.py command line for one worker count (its JSON goes to ``out``)."""
+def dynamo_command(args: argparse.Namespace, workers: int, out: str, router: str = "round_robin") -> list[str]:
+    """The dynamo_crosscheck.py command line for one worker count and router (its JSON goes to ``out``)."""
     cmd = [args.dynamo_python, str(DYNAMO_SCRIPT), args.trace, "--workers", str(workers),
-           "--router", "round_robin", "--backend", "vllm", "--trace-block-size", str(args.trace_block_size),
+           "--router", router, "--backend", "vllm", "--trace-block-size", str(args.trace_block_size),
            "--block-size", str(args.block_size), "--num-gpu-blocks", str(args.num_gpu_blocks),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--max-num-seqs", str(args.max_num_seqs), "--per-request", "--out", out]
@@ -74,12 +96,12 @@ def dynamo_command(args: argparse.Namespace, workers: int, out: str) -> list[str
     return cmd
 
 
-def run_dynamo(args: argparse.Namespace, workers: int) -> dict:
-    """Dynamo's replay for one worker count, as the JSON dynamo_crosscheck.py writes."""
+def run_dynamo(args: argparse.Namespace, workers: int, router: str = "round_robin") -> dict:
+    """Dynamo's replay for one worker count and router, as the JSON dynamo_crosscheck.py writes."""
     fd, out = tempfile.mkstemp(prefix="dynamo_crosscheck_", suffix=".json")
     os.close(fd)
     try:
-        cmd = dynamo_command(args, workers, out)
+        cmd = dynamo_command(args, workers, out, router)
         print("$ " + shlex.join(cmd), file=sys.stderr)
         subprocess.run(cmd, check=True)
         with open(out, encoding="utf-8") as f:
@@ -149,7 +171,26 @@ def detail_table(configs: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def dynamo_summary(report: dict, workers: int) -> dict:
+    """One Dynamo replay summarized as ours are; its ITL percentiles are Dynamo's own (per token)."""
+    records = dynamo_records(report)
+    summary = {**summarize(records, num_gpus=workers), **e2e_figures(records), "wall_s": report["summary"]["wall_s"]}
+    own = report["summary"]["itl_ms"]  # Dynamo's per-token ITL percentiles (its own percentile method)
+    summary.update({f"itl_p{q}_ms": own[f"p{q}"] for q in (50, 90, 99)}, itl_source="dynamo per token")
+    return summary
+
+
+def median_of_runs(runs: list[dict]) -> dict:
+    """Figure by figure, the median over Dynamo's replays (a median row is not one run)."""
+    out = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            values = [r[key] for r in runs if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+            out[key] = statistics.median(values) if values else math.nan
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace", nargs="?", default=DEFAULT_TRACE, help="Mooncake JSONL trace")
     p.add_argument("--workers", type=int, nargs="+", default=[4, 8], help="worker counts to compare (default 4 8)")
@@ -159,11 +200,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-gpu-blocks", type=int, default=16384, help="KV blocks per worker (Dynamo's default)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--router-mode", choices=("round_robin", "kv_router"), nargs="+", default=["round_robin"],
+                   help="Dynamo's routing, one run (set) each (default round_robin)")
+    p.add_argument("--policies", default=None,
+                   help="our side, comma-separated policy specs (default: round_robin, or kv_aware with kv_router)")
+    p.add_argument("--dynamo-runs", type=int, default=1, help="replay Dynamo this many times, report medians")
+    p.add_argument("--bounds", action="store_true", help="add the infinite-cache and pooled-LRU hit-rate bounds")
     p.add_argument("--profile", default="gb200-glm53", help="our profile; names the run only, sizes are explicit")
     p.add_argument("--dynamo-python", default=DYNAMO_PYTHON, help="python of a venv with ai-dynamo-runtime")
     p.add_argument("--out-stem", default="docs/results/dynamo_crosscheck", help="writes <stem>.json and .png")
     args = p.parse_args(argv)
+    if args.policies is None:
+        args.policies = ",".join("round_robin" if mode == "round_robin" else "kv_aware" for mode in args.router_mode)
+    args.policy_list = [spec for spec in args.policies.split(",") if spec]
+    try:
+        for spec in args.policy_list:
+            fleet_overrides(spec)
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.dynamo_runs < 1:
+        p.error("--dynamo-runs must be at least 1")
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if not Path(args.dynamo_python).exists():
         print(f"Dynamo's replay needs a python with ai-dynamo-runtime; {args.dynamo_python} is missing.\n"
               f"Install it with:\n    {INSTALL_HINT}\n(or pass --dynamo-python)", file=sys.stderr)
@@ -171,38 +232,59 @@ def main(argv: list[str] | None = None) -> int:
 
     configs: dict[str, dict] = {}
     dynamo_own: dict[str, dict] = {}
+    dynamo_runs: dict[str, list[dict]] = {}
     agree: dict[str, dict] = {}
+    bounds: dict[str, dict] = {}
     for workers in args.workers:
-        ours, wall = run_ours(args, workers)
-        configs[f"{OURS} {workers}w"] = {**summarize(ours, num_gpus=workers), **e2e_figures(ours),
-                                        "itl_source": "per token", "wall_s": wall}
-        print(f"{OURS} {workers}w: {len(ours)} requests in {wall:.1f}s", file=sys.stderr)
-        report = run_dynamo(args, workers)
-        records = dynamo_records(report)
-        summary = {**summarize(records, num_gpus=workers), **e2e_figures(records),
-                   "wall_s": report["summary"]["wall_s"]}
-        own = report["summary"]["itl_ms"]  # Dynamo's per-token ITL percentiles (its own percentile method)
-        summary.update({f"itl_p{q}_ms": own[f"p{q}"] for q in (50, 90, 99)}, itl_source="dynamo per token")
-        configs[f"{THEIRS} {workers}w"] = summary
-        agree[f"{workers}w"] = agreement(ours, report)
-        print(f"per-request agreement {workers}w: {agree[f'{workers}w']}", file=sys.stderr)
-        dynamo_own[f"{THEIRS} {workers}w"] = {"summary": report["summary"], "engine": report["engine"],
-                                              "versions": report["versions"]}
+        ours_by_policy = {}
+        for policy in args.policy_list:
+            ours, wall, run_bounds = run_ours(args, workers, policy)
+            label = f"{OURS} {workers}w" if policy == "round_robin" else f"{OURS} {policy} {workers}w"
+            configs[label] = {**summarize(ours, num_gpus=workers), **e2e_figures(ours),
+                              "itl_source": "per token", "wall_s": wall}
+            ours_by_policy[policy] = ours
+            if run_bounds is not None:
+                bounds.setdefault(f"{workers}w", run_bounds)  # the trace's requests: the same in every run
+            print(f"{label}: {len(ours)} requests in {wall:.1f}s", file=sys.stderr)
+        for mode in args.router_mode:
+            theirs = f"{THEIRS} {workers}w" if mode == "round_robin" else f"{THEIRS} {mode} {workers}w"
+            # round robin is deterministic; Dynamo's KV router breaks ties at random
+            reports = [run_dynamo(args, workers, mode) for _ in range(1 if mode == "round_robin" else args.dynamo_runs)]
+            runs = [dynamo_summary(report, workers) for report in reports]
+            configs[theirs] = median_of_runs(runs) if len(runs) > 1 else runs[0]
+            configs[theirs]["dynamo_runs"] = len(runs)
+            dynamo_runs[theirs] = [{k: r[k] for k in ("prefix_hit_rate", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms")}
+                                   for r in runs]
+            if mode == "round_robin" and "round_robin" in ours_by_policy:
+                agree[f"{workers}w"] = agreement(ours_by_policy["round_robin"], reports[0])
+                print(f"per-request agreement {workers}w: {agree[f'{workers}w']}", file=sys.stderr)
+            dynamo_own[theirs] = {"summary": reports[0]["summary"], "engine": reports[0]["engine"],
+                                  "versions": reports[0]["versions"]}
+        if f"{workers}w" in bounds:
+            for label, summary in configs.items():
+                if label.endswith(f" {workers}w"):
+                    summary.update(bounds[f"{workers}w"], **gap_split(summary["prefix_hit_rate"],
+                                                                      bounds[f"{workers}w"]))
 
     command = shlex.join([".venv/bin/python", "-m", "loadtests.crosscheck", *(argv if argv is not None
                                                                              else sys.argv[1:])])
     write_report(Path(args.out_stem), title="infermesh fleet sim vs NVIDIA Dynamo mocker (matched constants, "
-                 "round robin, Dynamo's polynomial step times)", command=command, configs=configs,
+                 f"Dynamo {' + '.join(args.router_mode)}, Dynamo's polynomial step times)", command=command,
+                 configs=configs,
                  notes={"trace": os.path.abspath(args.trace), "limit": args.limit,
                         "matched": {"block_size": args.block_size, "num_gpu_blocks": args.num_gpu_blocks,
                                     "max_num_batched_tokens": args.max_num_batched_tokens,
-                                    "max_num_seqs": args.max_num_seqs, "router": "round_robin",
+                                    "max_num_seqs": args.max_num_seqs, "router": args.router_mode,
                                     "trace_block_size": args.trace_block_size},
+                        "our_policies": args.policy_list,
                         "dynamo_itl": "itl_p* of the dynamo rows are Dynamo's own per-token percentiles; "
                                       "tpot_p* (per-request mean gap) are computed alike on both sides",
+                        "dynamo_runs": dynamo_runs, "bounds": bounds,
                         "per_request_agreement": agree, "dynamo_own": dynamo_own})
     print(write_markdown_table(configs))
     print(detail_table(configs))
+    if bounds:
+        print(bounds_table({k: {**v, "sim_wall_s": v.get("wall_s")} for k, v in configs.items()}))
     return 0
 
 

@@ -35,15 +35,15 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
+from loadtests.lib.cache_bounds import Recording, Replayed, infinite_cache_hits, replayed  # noqa: F401 (Replayed: re-exported)
 from loadtests.lib.fleet_sim import FleetConfig, FleetSim
-from loadtests.lib.report import RequestRecord, summarize, write_report
-from loadtests.lib.workloads import AgentSessions, Arrival, Workload
+from loadtests.lib.report import summarize, write_report
+from loadtests.lib.workloads import AgentSessions
 from services.router.policy import KvRoutingConfig
 from services.router.scoring import CostWeights
-from services.worker.engines.block_pool import Hasher, fast_hash_block
 from services.worker.engines.cost_model import load_profile
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results" / "kv_routing"
@@ -82,95 +82,6 @@ CONFIGS: dict[str, dict] = {
 }
 DEFAULT_CONFIGS = ("kv_aware + sessions", "kv_aware no session id", "kv_aware no session id decode 0.1",
                    "round_robin", "least_loaded")
-
-
-# ---------------------------------------------------------------- infinite cache
-@dataclasses.dataclass(slots=True)
-class Replayed:
-    """One request of a run as the infinite cache replays it."""
-
-    arrival_t: float
-    finish_t: float | None  # None: never finished (its answer never reached the cache)
-    prompt: Sequence[int]
-    output: Sequence[int]
-    measured: bool = True  # counted in the hit rate (its prompt enters the cache either way)
-
-
-def infinite_cache_hits(requests: Iterable[Replayed], block_size: int,
-                        hasher: Hasher = fast_hash_block) -> tuple[int, int]:
-    """(cached prompt tokens, prompt tokens) of the measured requests, through one prefix cache that never evicts.
-
-    Events in time order, a finish before an arrival at the same instant. An arrival hits the longest
-    run of its prompt's leading full blocks already cached, at most (len - 1) // block_size blocks (the
-    block pool always computes the last prompt token), then caches every full block of its prompt; a
-    finish caches the full blocks of prompt + answer but its last token (never written to the KV cache).
-    """
-    requests = list(requests)
-    events = [(r.arrival_t, 1, i) for i, r in enumerate(requests)]
-    events += [(r.finish_t, 0, i) for i, r in enumerate(requests) if r.finish_t is not None and len(r.output) > 1]
-    events.sort()
-    cache: set[int] = set()
-    last_hash: dict[int, int | None] = {}  # request -> hash of its prompt's last full block
-    num_cached = num_prompt = 0
-    for _, kind, i in events:
-        r = requests[i]
-        if kind == 1:
-            parent: int | None = None
-            hits, hitting = 0, True
-            limit = (len(r.prompt) - 1) // block_size
-            for start in range(0, len(r.prompt) - block_size + 1, block_size):
-                parent = hasher(parent, r.prompt[start:start + block_size], ())
-                if hitting and start // block_size < limit and parent in cache:
-                    hits += 1
-                else:
-                    hitting = False
-                cache.add(parent)
-            last_hash[i] = parent
-            if r.measured:
-                num_cached += hits * block_size
-                num_prompt += len(r.prompt)
-        else:
-            parent = last_hash.pop(i, None)
-            start = len(r.prompt) // block_size * block_size
-            tail = list(r.prompt[start:]) + list(r.output[:-1])
-            for j in range(0, len(tail) - block_size + 1, block_size):
-                parent = hasher(parent, tail[j:j + block_size], ())
-                cache.add(parent)
-    return num_cached, num_prompt
-
-
-class Recording:
-    """A workload wrapper that keeps every arrival and every answer, for the infinite-cache replay."""
-
-    def __init__(self, inner: Workload) -> None:
-        self.inner = inner
-        self.arrivals: dict[str, Arrival] = {}
-        self.outputs: dict[str, list[int]] = {}
-
-    def _keep(self, arrivals: list[Arrival]) -> list[Arrival]:
-        self.arrivals.update((a.request_id, a) for a in arrivals)
-        return arrivals
-
-    def start(self) -> list[Arrival]:
-        return self._keep(self.inner.start())
-
-    def on_complete(self, arrival: Arrival, output_token_ids: list[int], t: float) -> list[Arrival]:
-        self.outputs[arrival.request_id] = list(output_token_ids)
-        return self._keep(self.inner.on_complete(arrival, output_token_ids, t))
-
-    @property
-    def done(self) -> bool:
-        return self.inner.done
-
-
-def replayed(records: list[RequestRecord], recording: Recording, warmup_s: float) -> list[Replayed]:
-    """Every routed request of a run; measured as summarize measures (finished or failed, arrived after warm-up)."""
-    out = []
-    for r in records:
-        arrival = recording.arrivals[r.request_id]
-        out.append(Replayed(r.arrival_t, r.finish_t, arrival.prompt_token_ids, recording.outputs.get(r.request_id, []),
-                            measured=(r.finish_t is not None or r.error is not None) and r.arrival_t >= warmup_s))
-    return out
 
 
 # ---------------------------------------------------------------- runs
@@ -326,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
     command = " ".join(["python -m loadtests.kv_routing", shlex.join(sys.argv[1:] if argv is None else argv)]).strip()
     notes = {"setup": dataclasses.asdict(setup), "profile": PROFILE, "kv_dtype": "fp8", "host tier": "off",
              "infinite cache": "the run's own requests through one never-evicting prefix cache of the workers' "
-                               "block size (loadtests/kv_routing.infinite_cache_hits)",
+                               "block size (loadtests/lib/cache_bounds.infinite_cache_hits)",
              "gap": "infinite-cache hit rate minus the config's hit rate, in absolute percentage points",
              "router view": "kv_aware sees every KV event and exact loads at once (the DES's perfect information)",
              "least_loaded": "the simulator's Router: fewest running + waiting requests"}
