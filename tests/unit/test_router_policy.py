@@ -351,3 +351,23 @@ def test_the_inline_costs_equal_worker_cost_and_the_inline_filters_equal_scoring
                    scoring.not_excluded(req.exclude_worker_ids)]
         fresh = scoring.apply_filters(workers, [scoring.heartbeat_fresh(NOW), *filters])
         assert policy_module._eligible(req, view, roles) == (fresh or scoring.apply_filters(workers, filters))
+
+
+def test_the_deployed_weights_keep_a_long_history_on_its_busy_worker():
+    # docs/results/kv_routing's example: 567 prompt blocks, 536 cached on "a", which holds 1,064 active blocks;
+    # "b" is idle with only the system prompt. Dynamo's form (decode 1) moves the history and recomputes it.
+    from services.router.config import RouterConfig
+
+    a, b = worker("a", num_kv_blocks=4000), worker("b", num_kv_blocks=4000)
+    prompt = tokens(567 * BS)
+    view_loads = loads(snap("a", running=2, blocks=1064), snap("b"))
+    chosen = {}
+    for name, routing in (("deployed", RouterConfig().routing()), ("dynamo", KvRoutingConfig(CostWeights(1, 1)))):
+        index = PrefixIndex(BS)
+        for w in (a, b):
+            index.add_worker(w.worker_id, w.model)
+        cached(index, "a", prompt[:536 * BS])
+        cached(index, "b", prompt[:18 * BS])
+        plan = route(KvAwarePolicy(index, routing), [a, b], request(prompt), view_loads)
+        chosen[name] = plan.reply.worker_id
+    assert chosen == {"deployed": "a", "dynamo": "b"}
