@@ -7,11 +7,19 @@ one worker turn by turn (a prefill chunk of up to 128 blocks, then one decode bl
 and on a second worker, cut short, for a quarter of them. A block's 16 tokens follow from its id
 (``tokens_of``), so the workload file handed to the Dynamo side only lists block ids.
 
+While the fleet fills (until as many blocks have been stored as it will hold), after 3 in 10 of the sessions
+stored an earlier one is evicted: its own blocks removed leaf first, on every worker holding it, its room
+reused. Both indexes apply the same removals; ingest counts stored and removed blocks.
+
 Prompts of 2K, 8K, 32K tokens are session prefixes (padded with uncached blocks when the
 session is shorter): every worker holding the app's system prompt matches it, the session's own
-workers match further. Hashing is left out of every timing (the edge hashes; Dynamo's engine-side
-publisher computes the per-block hashes), so find_matches gets precomputed hashes, and apply
-gets BlockStored structs (ours, hashed inside apply) or serialized events (Dynamo, JSON).
+workers match further. Three timings per prompt: ``find_matches`` given the hashes (the index alone);
+the prompt's hashes from its token ids and then ``find_matches`` (Dynamo's scope: its router hashes
+the request; ours from the uint32 array the edge holds, Dynamo's from the list its Python API takes);
+and ours alone, the whole decision (hashes, then ``KvAwarePolicy.route``: filters, find_matches, a
+cost per candidate, pick), which Dynamo's Python API does not expose. Ingest hashes inside apply on
+our side (the router recomputes its chain from token ids); Dynamo's events carry the per-block
+hashes, computed before the timing, as its engine-side publisher does.
 
 Dynamo's side runs this same file under the Dynamo venv (``--dynamo-worker``; stdlib-only imports
 at module level for that reason); without that venv only ours is measured::
@@ -230,6 +238,12 @@ def bench_ours(w: Workload, queries: dict[int, list], *, batch: int = 32) -> dic
             out["mismatches"] += {int(k[1:]): v.blocks for k, v in got.items()} != expected
         out["find_matches"][size] = _lat_us(ns)
         tokens = [array("I", tokens_of(ids, w.block_size)) for ids, _ in qs]  # as the edge holds them
+        ns = []
+        for ids in tokens:  # Dynamo's scope: the prompt's hashes, then the index
+            t0 = time.perf_counter_ns()
+            index.find_matches(prompt_hashes(ids, MODEL, block_size=w.block_size))
+            ns.append(time.perf_counter_ns() - t0)
+        out.setdefault("hash_find", {})[size] = _lat_us(ns)
         routed = bench_policy(index, w, size, tokens, [expected for _, expected in qs])
         if routed is not None:
             out.setdefault("route", {})[size] = routed
@@ -336,7 +350,7 @@ def bench_dynamo(w: Workload, queries: dict[int, list], reps: int, python: str) 
         runs.append({"ingest_s": run["ingest_s"], "events_per_s": w.num_events / run["ingest_s"],
                      "blocks_per_s": w.num_touched / run["ingest_s"], "rss_growth_mb": run["rss_growth_mb"],
                      "find_matches": {int(k): _lat_us(ns) for k, ns in run["find_matches"].items()},
-                     "route": {int(k): _lat_us(ns) for k, ns in run["decide"].items()}})
+                     "hash_find": {int(k): _lat_us(ns) for k, ns in run["decide"].items()}})
     scores = raw["runs"][0]["scores"]
     mismatches = sum({int(k): v for k, v in got.items()} != expected
                      for size, qs in queries.items() for got, (_, expected) in zip(scores[str(size)], qs, strict=True))

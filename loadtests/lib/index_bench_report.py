@@ -10,40 +10,40 @@ def median_run(runs: list[dict]) -> dict:
     """Median over repetitions of every figure (RSS from the first: later ones reuse freed memory)."""
     med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
     sizes = runs[0]["find_matches"]
-    return {"ingest_s": med("ingest_s"), "events_per_s": med("events_per_s"), "blocks_per_s": med("blocks_per_s"),
-            "rss_growth_mb": runs[0]["rss_growth_mb"],
-            "find_matches": {s: {k: statistics.median(r["find_matches"][s][k] for r in runs)
-                                 for k in ("p50_us", "p99_us", "mean_us")} for s in sizes},
-            **({"route": {s: {k: statistics.median(r["route"][s][k] for r in runs) for k in runs[0]["route"][s]
-                              if k != "n"} for s in sizes}}
-               if "route" in runs[0] else {})}
+    out = {"ingest_s": med("ingest_s"), "events_per_s": med("events_per_s"), "blocks_per_s": med("blocks_per_s"),
+           "rss_growth_mb": runs[0]["rss_growth_mb"]}
+    for timing in ("find_matches", "hash_find", "route"):
+        if timing in runs[0]:
+            out[timing] = {s: {k: statistics.median(r[timing][s][k] for r in runs) for k in runs[0][timing][s]
+                               if k != "n"} for s in sizes}
+    return out
 
 
-ROUTE_LABEL = "decision, hashing included"  # ours: prompt_hashes + KvAwarePolicy.route; Dynamo: its hash + find_matches
+TIMINGS = {"hash_find": "the prompt's hashes + find_matches", "route": "whole decision: hashes + KvAwarePolicy.route"}
 
 
 def markdown(result: dict) -> str:
+    sizes = [t // result["block_size"] for t in result["prompt_tokens"]]
     rows = ["| index | ingest blocks/s | ingest events/s | RSS growth MB | "
             + " | ".join(f"{t // 1024}K p50 / p99 us" for t in result["prompt_tokens"]) + " |",
-            "|---|---:|---:|---:|" + "---:|" * len(result["prompt_tokens"])]
+            "|---|---:|---:|---:|" + "---:|" * len(sizes)]
     for name, r in result["indexes"].items():
-        fm = [f"{r['find_matches'][t // result['block_size']]['p50_us']:,.0f} / "
-              f"{r['find_matches'][t // result['block_size']]['p99_us']:,.0f}" for t in result["prompt_tokens"]]
-        rows.append(f"| {name} | {r['blocks_per_s']:,.0f} | {r['events_per_s']:,.0f} | {r['rss_growth_mb']:,.0f} | "
-                    + " | ".join(fm) + " |")
-    for name, r in result["indexes"].items():
-        if "route" in r:
-            route = [r["route"][t // result["block_size"]] for t in result["prompt_tokens"]]
-            rows.append(f"| {name}: {ROUTE_LABEL} | | | | "
-                        + " | ".join(f"{x['p50_us']:,.0f} / {x['p99_us']:,.0f}" for x in route) + " |")
-    rows += ["", "Decisions per second, one process, hashing included (1 / mean decision time):", "",
+        fm = [f"{r['find_matches'][s]['p50_us']:,.0f} / {r['find_matches'][s]['p99_us']:,.0f}" for s in sizes]
+        rows.append(f"| {name}: find_matches | {r['blocks_per_s']:,.0f} | {r['events_per_s']:,.0f} | "
+                    f"{r['rss_growth_mb']:,.0f} | " + " | ".join(fm) + " |")
+    for timing, label in TIMINGS.items():
+        for name, r in result["indexes"].items():
+            if timing in r:
+                rows.append(f"| {name}: {label} | | | | " + " | ".join(
+                    f"{r[timing][s]['p50_us']:,.0f} / {r[timing][s]['p99_us']:,.0f}" for s in sizes) + " |")
+    rows += ["", "Decisions per second, one process (1 / mean time):", "",
              "| index | " + " | ".join(f"{t // 1024}K" for t in result["prompt_tokens"]) + " |",
-             "|---|" + "---:|" * len(result["prompt_tokens"])]
-    for name, r in result["indexes"].items():
-        if "route" in r:
-            rows.append(f"| {name} | " + " | ".join(
-                f"{1e6 / r['route'][t // result['block_size']]['mean_us']:,.0f}" for t in result["prompt_tokens"])
-                + " |")
+             "|---|" + "---:|" * len(sizes)]
+    for timing, label in TIMINGS.items():
+        for name, r in result["indexes"].items():
+            if timing in r:
+                rows.append(f"| {name}: {label} | " + " | ".join(
+                    f"{1e6 / r[timing][s]['mean_us']:,.0f}" for s in sizes) + " |")
     return "\n".join(rows) + "\n"
 
 
@@ -56,12 +56,13 @@ def plot(result: dict, path: Path) -> None:
     colors = plt.get_cmap("tab10").colors
     series = {name: r for name, r in result["indexes"].items()}
     for name, r in result["indexes"].items():
-        if "route" in r:  # the whole routing decision, drawn in the latency panel only
-            series[f"{name.split()[0]} {ROUTE_LABEL}"] = {"find_matches": r["route"]}
+        for timing, label in TIMINGS.items():  # drawn in the latency panel only
+            if timing in r:
+                series[f"{name.split()[0]}: {label}"] = {"find_matches": r[timing]}
     fig, axes = plt.subplots(1, 3, figsize=(16, 5))
     ticks = [f"{t // 1024}K p{q}" for t in result["prompt_tokens"] for q in (50, 99)]
     panels = [("Event ingest", "blocks/s", lambda r: [r["blocks_per_s"]], [f"{result['blocks']:,}-block build"]),
-              ("find_matches latency (hashing excluded)", "microseconds (log)",
+              ("Lookup and decision latency", "microseconds (log)",
                lambda r: [r["find_matches"][t // result["block_size"]][f"p{q}_us"]
                           for t in result["prompt_tokens"] for q in (50, 99)], ticks),
               ("Memory", "RSS growth (MB)", lambda r: [r["rss_growth_mb"]], ["full index"])]
