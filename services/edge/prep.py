@@ -119,7 +119,7 @@ class Prepared:
     include_usage: bool
     user: str | None
     cache_salt: str | None
-    prompt_ids: Sequence[int]  # a list, or a 4-byte array when it came back from a worker process (crossed())
+    prompt_ids: Sequence[int]  # a 4-byte array for chat (and from a worker process: crossed()); completions: a list
     params: SamplingParams
     stop: list[str]
     tools: ToolSpec | None  # what the tool-call parser reads the output for; None: no parsing
@@ -190,7 +190,7 @@ def prepare_chat(body: ChatCompletionRequest, job: PrepJob, tokenizer: Any) -> P
     constraint = build_constraint(job.tool_format, tools, response_format)
     structured = None if constraint is None else Structured(constraint.kind, constraint.spec,  # type: ignore[arg-type]
                                                             job.close_within)
-    prompt_ids = tokenizer.apply_chat_template(messages)
+    prompt_ids = tokenizer.chat_ids(messages)
     params = engine_sampling(sampling, len(prompt_ids), job.max_model_len, tokenizer.stop_token_ids, structured)
     checked = tuple(schema_key(t.parameters) for t in output.tools.tools) if output.tools else ()
     if response_format is not None and response_format.schema is not None:
@@ -252,7 +252,8 @@ def _run(job: PrepJob) -> Prepared | Failure:
 def crossed(prepared: Prepared) -> Prepared:
     """``prepared`` as it goes back to the edge's loop: its ids a 4-byte array, which pickles as one copy (a list of
     200K ids costs the loop ~8 ms to unpickle). The loop only counts, hashes and packs them."""
-    prepared.prompt_ids = array("I", prepared.prompt_ids)
+    if not isinstance(prepared.prompt_ids, array):
+        prepared.prompt_ids = array("I", prepared.prompt_ids)
     return prepared
 
 

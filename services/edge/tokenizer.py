@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,10 @@ class ModelTokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         return self.prefix_tokens.encode(self.render(messages))
+
+    def chat_ids(self, messages: list[dict[str, Any]]) -> array:
+        """``apply_chat_template`` as a 4-byte array: what preparation hands on (``prep.crossed``)."""
+        return self.prefix_tokens.encode_ids(self.render(messages))
 
     def render(self, messages: list[dict[str, Any]]) -> str:
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,

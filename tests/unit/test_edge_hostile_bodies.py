@@ -6,6 +6,7 @@ No HTTP and no bus: a fake tokenizer stands in for the model's.
 from __future__ import annotations
 
 import json
+from array import array
 
 import pytest
 from jsonschema import Draft202012Validator
@@ -21,8 +22,8 @@ class FakeTokenizer:
     vocab_size = 1000
     stop_token_ids = [2]
 
-    def apply_chat_template(self, messages):
-        return [1] * (1 + sum(len(m["content"]) // 4 for m in messages))
+    def chat_ids(self, messages):
+        return array("I", [1] * (1 + sum(len(m["content"]) // 4 for m in messages)))
 
     def encode(self, text):
         return [1] * (1 + len(text) // 4)

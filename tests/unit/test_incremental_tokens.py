@@ -6,6 +6,7 @@ BPE, metaspace BPE with special tokens); and the cache stays within its bounds."
 from __future__ import annotations
 
 import random
+from array import array
 from pathlib import Path
 
 import pytest
@@ -200,3 +201,14 @@ def test_a_short_prompt_is_tokenized_whole_and_not_kept():
     cache = PrefixTokens(encode_batch, [], ("line",), min_reuse_chars=100)
     assert cache.encode("a\nb" * 10) == encode_batch(["a\nb" * 10])[0] and not cache._entries
     assert cache.encode("a\nb" * 50) == encode_batch(["a\nb" * 50])[0] and len(cache._entries) == 1
+
+
+def test_encode_ids_is_the_callers_own_copy_of_encode():
+    cache = PrefixTokens(lambda texts: [[ord(c) for c in t] for t in texts], (), ("line",), min_reuse_chars=0)
+    first = "alpha\nbeta\ngamma\n" * 40
+    ids = cache.encode_ids(first)
+    assert isinstance(ids, array) and ids.typecode == "I" and ids.tolist() == cache.encode(first)
+    ids[0] = 0  # the caller's: the cache is not changed
+    ids.extend([1, 2, 3])
+    longer = first + "delta\n"
+    assert cache.encode_ids(longer).tolist() == [ord(c) for c in longer]
