@@ -67,17 +67,18 @@ def plot(result: dict, path: Path) -> None:
                           for t in result["prompt_tokens"] for q in (50, 99)], ticks),
               ("Memory", "RSS growth (MB)", lambda r: [r["rss_growth_mb"]], ["full index"])]
     for ax, (title, ylabel, values, ticks) in zip(axes, panels, strict=True):
-        names = [n for n in series if "blocks_per_s" in series[n] or title.startswith("find")]
+        names = [n for n in series if "blocks_per_s" in series[n] or title.startswith("Lookup")]
         width = 0.8 / len(names)
         for j, name in enumerate(names):
             xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(ticks))]
             vals = values(series[name])
-            bars = ax.bar(xs, vals, width, color=colors[j], label=name)
+            label = f"{name}: find_matches" if title.startswith("Lookup") and name in result["indexes"] else name
+            bars = ax.bar(xs, vals, width, color=colors[j], label=label)
             ax.bar_label(bars, labels=[f"{v:,.0f}" for v in vals], fontsize=7, padding=2)
         ax.set_xticks(range(len(ticks)), ticks, fontsize=8)
         ax.set_title(title)
         ax.set_ylabel(ylabel)
-        if title.startswith("find"):
+        if title.startswith("Lookup"):
             ax.set_yscale("log")
         ax.margins(y=0.15)
     axes[1].legend(fontsize=8)
