@@ -54,3 +54,25 @@ def test_the_engines_processes_and_the_threads_they_start_later_run_at_the_lower
         for child in (bystander, engine):
             child.kill()
             child.wait()
+
+
+def test_every_thread_of_the_engines_processes_is_bound_to_its_core_and_no_other_process():
+    core = max(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    bystander = _spawn()
+    spawned = SpawnedProcesses()
+    engine = _spawn()
+    try:
+        threads = psutil.Process(engine.pid).threads()
+        assert spawned.pin(core) == (0 if before == {core} else len(threads))
+        assert all(os.sched_getaffinity(t.id) == {core} for t in psutil.Process(engine.pid).threads())
+        engine.stdin.write("\n")
+        engine.stdin.flush()
+        late = int(engine.stdout.readline())
+        assert os.sched_getaffinity(late) == {core}  # a thread started later inherits it
+        assert all(os.sched_getaffinity(t.id) == before for t in psutil.Process(bystander.pid).threads())
+        assert os.sched_getaffinity(0) == before  # the worker's own threads float
+    finally:
+        for child in (bystander, engine):
+            child.kill()
+            child.wait()

@@ -9,6 +9,7 @@ priority (a higher nice value): they still get every idle cycle, the control pla
     spawned = SpawnedProcesses()          # before the engine starts its processes
     ... AsyncLLM.from_engine_args(...)
     spawned.renice(10)                    # those processes (and theirs), never the others of this process
+    spawned.pin(core)                     # and on the engine's own core, every thread of them
 
 Linux keeps a nice value per thread, and a new thread inherits its creator's: every thread of each
 engine process is reniced, and threads those threads start later inherit the value. Only processes
@@ -59,4 +60,26 @@ class SpawnedProcesses:
                     continue
         if changed:
             log.info("engine processes reniced to %d (%d threads)", nice, changed)
+        return changed
+
+    def pin(self, core: int) -> int:
+        """Bind every thread of those processes to ``core``; returns how many threads changed. vLLM CPU binds only
+        its compute threads (``VLLM_CPU_OMP_THREADS_BIND``); its engine core's scheduler busy-polls the model
+        runner and, unbound, takes most of another core (the one the mesh's services run on; measured by
+        loadtests/peers.py). Threads started later inherit their creator's binding."""
+        changed = 0
+        for process in self.processes():
+            try:
+                threads = process.threads()
+            except psutil.Error:
+                continue
+            for thread in threads:
+                try:
+                    if os.sched_getaffinity(thread.id) != {core}:
+                        os.sched_setaffinity(thread.id, {core})
+                        changed += 1
+                except (ProcessLookupError, PermissionError):
+                    continue
+        if changed:
+            log.info("engine processes bound to core %d (%d threads)", core, changed)
         return changed

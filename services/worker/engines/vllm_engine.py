@@ -201,8 +201,13 @@ class VllmEngine(Engine):
         )
 
     def _renice(self) -> None:
-        if self.config.engine_nice > 0 and self._spawned is not None:
+        """The engine's processes at a lower priority, and all their threads on its core when it has one."""
+        if self._spawned is None:
+            return
+        if self.config.engine_nice > 0:
             self._spawned.renice(self.config.engine_nice)
+        if self.config.cpu_core >= 0:
+            self._spawned.pin(self.config.cpu_core)
 
     async def _warm_up(self) -> None:
         """One local prefill before serving. vLLM CPU 0.32 kills its worker with SIGILL (in
