@@ -38,7 +38,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from loadtests.lib.cache_bounds import Recording, Replayed, infinite_cache_hits, replayed  # noqa: F401 (Replayed: re-exported)
+from loadtests.lib.cache_bounds import Recording, Replayed, columns_table, infinite_cache_hits, replayed  # noqa: F401 (Replayed: re-exported)
 from loadtests.lib.fleet_sim import FleetConfig, FleetSim
 from loadtests.lib.report import summarize, write_report
 from loadtests.lib.workloads import AgentSessions
@@ -165,14 +165,7 @@ COLUMNS = [  # (header, key, multiplier, format)
 
 
 def table(configs: dict[str, dict]) -> str:
-    lines = ["| config | " + " | ".join(h for h, *_ in COLUMNS) + " |", "|---|" + "---:|" * len(COLUMNS)]
-    for label, s in configs.items():
-        cells = []
-        for _, key, mult, fmt in COLUMNS:
-            value = s.get(key)
-            cells.append("n/a" if value is None or not math.isfinite(value) else fmt.format(value * mult))
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return columns_table(configs, COLUMNS)
 
 
 def publish(stem: Path, title: str, command: str, configs: dict[str, dict], notes: dict, extra_md: str = "") -> None:

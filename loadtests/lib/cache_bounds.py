@@ -169,10 +169,16 @@ BOUNDS_COLUMNS = [  # (header, summary key, multiplier, format)
 
 def bounds_table(configs: dict[str, dict]) -> str:
     """A markdown table: each configuration's hit rate against its bounds, and its TTFT."""
-    lines = ["| config | " + " | ".join(h for h, *_ in BOUNDS_COLUMNS) + " |", "|---|" + "---:|" * len(BOUNDS_COLUMNS)]
+    return columns_table(configs, BOUNDS_COLUMNS)
+
+
+def columns_table(configs: dict[str, dict], columns: list[tuple[str, str, float, str]]) -> str:
+    """A markdown table of configurations' summaries: (header, summary key, multiplier, format) per column; a
+    missing or non-finite figure is "n/a"."""
+    lines = ["| config | " + " | ".join(h for h, *_ in columns) + " |", "|---|" + "---:|" * len(columns)]
     for label, s in configs.items():
         cells = []
-        for _, key, mult, fmt in BOUNDS_COLUMNS:
+        for _, key, mult, fmt in columns:
             value = s.get(key)
             ok = isinstance(value, (int, float)) and value == value and abs(value) != float("inf")
             cells.append(fmt.format(value * mult) if ok else "n/a")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Callable
 
 import psutil
 
@@ -45,19 +46,13 @@ class SpawnedProcesses:
 
     def renice(self, nice: int) -> int:
         """Give every thread of those processes at least ``nice``; returns how many threads changed."""
-        changed = 0
-        for process in self.processes():
-            try:
-                threads = process.threads()
-            except psutil.Error:
-                continue  # gone already
-            for thread in threads:
-                try:
-                    if os.getpriority(os.PRIO_PROCESS, thread.id) < nice:
-                        os.setpriority(os.PRIO_PROCESS, thread.id, nice)
-                        changed += 1
-                except (ProcessLookupError, PermissionError):
-                    continue
+        def lower(thread_id: int) -> bool:
+            if os.getpriority(os.PRIO_PROCESS, thread_id) >= nice:
+                return False
+            os.setpriority(os.PRIO_PROCESS, thread_id, nice)
+            return True
+
+        changed = self._each_thread(lower)
         if changed:
             log.info("engine processes reniced to %d (%d threads)", nice, changed)
         return changed
@@ -67,19 +62,29 @@ class SpawnedProcesses:
         its compute threads (``VLLM_CPU_OMP_THREADS_BIND``); its engine core's scheduler busy-polls the model
         runner and, unbound, takes most of another core (the one the mesh's services run on; measured by
         loadtests/peers.py). Threads started later inherit their creator's binding."""
+        def bind(thread_id: int) -> bool:
+            if os.sched_getaffinity(thread_id) == {core}:
+                return False
+            os.sched_setaffinity(thread_id, {core})
+            return True
+
+        changed = self._each_thread(bind)
+        if changed:
+            log.info("engine processes bound to core %d (%d threads)", core, changed)
+        return changed
+
+    def _each_thread(self, change: Callable[[int], bool]) -> int:
+        """``change`` every thread of those processes (by thread id); how many it changed. A thread or process
+        gone meanwhile is skipped."""
         changed = 0
         for process in self.processes():
             try:
                 threads = process.threads()
             except psutil.Error:
-                continue
+                continue  # gone already
             for thread in threads:
                 try:
-                    if os.sched_getaffinity(thread.id) != {core}:
-                        os.sched_setaffinity(thread.id, {core})
-                        changed += 1
+                    changed += change(thread.id)
                 except (ProcessLookupError, PermissionError):
                     continue
-        if changed:
-            log.info("engine processes bound to core %d (%d threads)", core, changed)
         return changed
