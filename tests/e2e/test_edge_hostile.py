@@ -115,7 +115,7 @@ async def test_a_big_body_is_prepared_in_the_worker_process_as_it_would_be_inlin
     offloaded = await mesh.edge.api.prep.run(job, tokenizer)
     assert mesh.edge.api.prep.num_offloaded == 1
     inline = prepare(job, tokenizer)
-    assert list(offloaded.prompt_ids) == inline.prompt_ids and offloaded.params == inline.params
+    assert list(offloaded.prompt_ids) == list(inline.prompt_ids) and offloaded.params == inline.params
 
 
 async def test_a_big_prompt_that_cannot_fit_is_a_400_from_the_worker_process(mesh):

@@ -32,8 +32,8 @@ async def test_a_worker_prepares_what_the_loop_would(pool, tiny_model):
     job = chat_job(str(tiny_model), "a mesh of small services " * 50, max_tokens=5, seed=3)
     offloaded = await pool.run(job, None)
     inline = prepare(job, ModelTokenizer(str(tiny_model)))
-    assert (list(offloaded.prompt_ids), offloaded.params, offloaded.stop) == (inline.prompt_ids, inline.params,
-                                                                              inline.stop)
+    assert (list(offloaded.prompt_ids), offloaded.params, offloaded.stop) == (list(inline.prompt_ids),
+                                                                              inline.params, inline.stop)
     assert offloaded.prompt_ids.typecode == "I"  # back from the worker as a 4-byte array (prep.crossed)
     assert pool.num_offloaded == 1 and pool.num_inline == 0
 
