@@ -62,6 +62,7 @@ class MeshOptions:
     sim_clock_factor: float = 1.0  # simulated seconds per real second
     sim_stream_interval: int = 1  # tokens per streamed message
     sim_engines_per_process: int = 1
+    sim_script: str = ""  # scripted answers (services/worker/engines/sim_script.py): the prompt picks the answer
     # Disaggregated prefill/decode ("P:D", e.g. "1:1"): P prefill and D decode workers; vLLM engines exchange
     # KV over NIXL. Each pool's per-step token budget (0: the engine's default).
     pd: str = ""
@@ -156,6 +157,8 @@ def _sim_args(options: MeshOptions, process: WorkerProcess) -> list[str]:
         args += ["--sim-clock-factor", repr(options.sim_clock_factor)]
     if options.sim_stream_interval != 1:
         args += ["--sim-stream-interval", str(options.sim_stream_interval)]
+    if options.sim_script:
+        args += ["--sim-script", str(Path(options.sim_script).resolve())]
     if process.role != "both":
         args += ["--role", process.role]
     if process.num_engines > 1:

@@ -39,6 +39,7 @@ class WorkerConfig(BusConfig):
     sim_kv_layout: str = "BLHNC"
     sim_host_kv_blocks: int = 0
     sim_fail_rate: float = 0.0  # fault injection: this share of requests fail before their first token
+    sim_script: str = ""  # a JSON file of scripted answers (engines/sim_script.py): the prompt picks the answer
     max_num_batched_tokens: int = 0  # per-step prompt-token budget (0: engine/profile default)
     max_num_seqs: int = 0
     num_engines: int = 1  # sim only: engines (workers <worker_id>-<i>) sharing this process
@@ -82,6 +83,7 @@ class WorkerConfig(BusConfig):
                 max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                 ttft_ms=self.sim_ttft_ms, itl_ms=self.sim_itl_ms,
                 prefill_us_per_token=self.sim_prefill_us_per_token, fail_rate=self.sim_fail_rate,
+                script=self.sim_script,
             )
         return dict(
             model=self.model, model_path=self.model_path, block_size=self.block_size,

@@ -10,7 +10,9 @@ decode step) keep mesh tests and the overhead benchmark independent of batching 
 Tokens are drawn from the prompt with a seeded RNG (sim_worker.token_rng): identical
 requests get identical output. A request with ``sampling.structured`` draws, with the same
 RNG, among the tokens its grammar allows (grammar.ConstrainedDecoder, closing budget-aware)
-and ends when the grammar accepts a stop token; that needs ``tokenizer`` (the model path). ``stream_interval`` coalesces
+and ends when the grammar accepts a stop token; that needs ``tokenizer`` (the model path). With a ``script``
+(sim_script.py) the prompt, decoded, picks a written answer instead; its tokens must pass the request's grammar
+(else the request fails, naming the token). ``stream_interval`` coalesces
 tokens the way vLLM's ``--stream-interval`` does: the first token goes out at once, then every N tokens and at
 the end. KV events come from the block pool after every step, exactly as it changed.
 """
@@ -36,7 +38,9 @@ from services.worker.engines.base import (
 from services.worker.engines.block_pool import hash_block
 from services.worker.engines.cost_model import CostModel, load_profile
 from services.worker.engines.scheduler import SimRequest
+from services.worker.engines.sim_script import SimScript, load_script
 from services.worker.engines.sim_worker import SimWorker, SimWorkerConfig, draw_token, token_rng
+from services.worker.engines.thinking import ThoughtBudget
 from shared.schema import KvEvent, KvTransfer, SamplingParams
 from shared.tasks import cancel_and_wait
 
@@ -69,6 +73,7 @@ class SimEngineConfig:
     prefill_us_per_token: float = 0.0
     itl_ms: float = 10.0
     fail_rate: float = 0.0  # fault injection (tests, breaker drills): requests that fail before any token
+    script: str = ""  # a sim script (sim_script.py, JSON): the prompt picks a written answer; needs ``tokenizer``
 
     def __post_init__(self) -> None:
         assert 0.0 <= self.fail_rate <= 1.0
@@ -106,6 +111,17 @@ def sim_token_ids(prompt_token_ids: list[int], seed: int | None, count: int) -> 
     return [draw_token(rng, pool) for _ in range(count)]
 
 
+def check_grammar(decoder: ConstrainedDecoder, tokens: list[int], decode) -> None:
+    """Accept ``tokens`` (a scripted answer) in ``decoder``, each checked against its allowed-token mask;
+    EngineRequestError naming the first token the grammar refuses."""
+    for i, token in enumerate(tokens):
+        bits = decoder.mask().numpy().reshape(-1)
+        if not (token >> 5 < len(bits) and (int(bits[token >> 5]) >> (token & 31)) & 1):
+            raise EngineRequestError(f"the sim script's answer leaves the request's grammar at token {i} "
+                                     f"({decode([token])!r} after {decode(tokens[:i])[-120:]!r})")
+        decoder.accept(token)
+
+
 @dataclass(slots=True)
 class _Stream:
     request: SimRequest
@@ -140,6 +156,9 @@ class SimEngine(Engine):
         self._t0 = 0.0  # time.monotonic() at start
         self._paced_to = 0.0  # simulated seconds: where the steps so far end on the schedule they are paced on
         self._grammars: GrammarCache | None = None  # made on the first structured request
+        self._script: SimScript | None = load_script(c.script) if c.script else None  # a bad file fails here
+        self._script_tokenizer = None  # the script's tokenizer (transformers), loaded on its first request
+        assert self._script is None or c.tokenizer, "a sim script needs the sim engine's tokenizer (model_path)"
 
     def now(self) -> float:
         """Simulated seconds since start, from ``time.monotonic`` (uvloop's loop time moves in whole milliseconds,
@@ -178,11 +197,17 @@ class SimEngine(Engine):
         if sampling.structured is not None:
             decoder = await self._decoder(sampling, len(output_token_ids))
             stop_ids = frozenset(decoder.stop_token_ids)  # the grammar ends only on these
+        script = None
+        if self._script is not None:
+            script = await self._scripted(prompt_token_ids, sampling.max_tokens, stop_ids, decoder,
+                                          len(output_token_ids))
+            decoder = None if script is not None else decoder  # checked: the answer passed the grammar
         request = SimRequest(request_id, [*prompt_token_ids, *output_token_ids], sampling.max_tokens, stop_ids,
                              arrival_t=self.now(), remote_kv=kv_transfer is not None, priority=priority,
                              extra=(cache_salt,) if cache_salt else ())
         try:
-            self.worker.add(request, seed=sampling.seed, decoder=decoder, resumed=len(output_token_ids))
+            self.worker.add(request, seed=sampling.seed, decoder=decoder, resumed=len(output_token_ids),
+                            script=script, thought=ThoughtBudget(sampling.thinking) if sampling.thinking else None)
         except ValueError as exc:
             raise EngineRequestError(str(exc)) from None
         stream = _Stream(request)
@@ -216,6 +241,26 @@ class SimEngine(Engine):
             raise EngineRequestError(str(exc)) from None
         return ConstrainedDecoder(compiled, sampling.max_tokens + resumed, sampling.structured.close_within,
                                   sampling.stop_token_ids, banned_token_ids=self._grammars.special_token_ids)
+
+    async def _scripted(self, prompt_token_ids: list[int], max_tokens: int, stop_ids: frozenset[int],
+                        decoder: ConstrainedDecoder | None, resumed: int) -> list[int] | None:
+        """The script's answer to this prompt as the tokens to emit (then a stop token), checked against the
+        request's grammar; None when the script has no answer for it (the usual draws then)."""
+        assert self._script is not None
+        if self._script_tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._script_tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.config.tokenizer)
+        tokenizer = self._script_tokenizer
+        prompt = await asyncio.to_thread(tokenizer.decode, prompt_token_ids)
+        answer = self._script.pick(prompt)
+        if answer is None:
+            return None
+        tokens = [*tokenizer.encode(answer, add_special_tokens=False), *sorted(stop_ids)[:1]]
+        tokens = tokens[:resumed + max_tokens]  # a short budget cuts the answer (finish "length")
+        if decoder is not None:
+            check_grammar(decoder, tokens, tokenizer.decode)
+        return tokens[resumed:] or None
 
     async def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)

@@ -32,6 +32,7 @@ from services.worker.engines.scheduler import ScheduledBatch, Scheduler, SimRequ
 
 if TYPE_CHECKING:
     from services.worker.engines.grammar import ConstrainedDecoder
+    from services.worker.engines.thinking import ThoughtBudget
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -98,15 +99,31 @@ def draw_constrained(decoder: ConstrainedDecoder, rng: random.Random, prompt_tok
     return drawn if token is None else token
 
 
+def draw_next(rng: random.Random, decoder: ConstrainedDecoder | None, thought: ThoughtBudget | None,
+              prompt_token_ids: list[int], remaining: int, token: int | None = None) -> int:
+    """A request's next token: the end of its thought when its budget is spent (no draw), else a draw (under its
+    grammar when it has one). ``token``: replay, as in ``draw_constrained``."""
+    forced = thought.forced() if thought is not None else None
+    if forced is not None:
+        drawn = forced
+        if decoder is not None:
+            decoder.accept(forced if token is None else token)
+    elif decoder is None:
+        drawn = draw_token(rng, prompt_token_ids)
+    else:
+        drawn = draw_constrained(decoder, rng, prompt_token_ids, remaining, token)
+    drawn = drawn if token is None else token
+    if thought is not None:
+        thought.accept(drawn)
+    return drawn
+
+
 def replay(rng: random.Random, decoder: ConstrainedDecoder | None, prompt_token_ids: list[int], max_tokens: int,
-           output_token_ids: list[int]) -> None:
-    """Move a request's token RNG (and grammar) over tokens an earlier attempt produced, so that a migrated
-    request goes on exactly as the undisturbed one would (``max_tokens``: its budget before them)."""
+           output_token_ids: list[int], thought: ThoughtBudget | None = None) -> None:
+    """Move a request's token RNG (and grammar, and thought budget) over tokens an earlier attempt produced, so
+    that a migrated request goes on exactly as the undisturbed one would (``max_tokens``: its budget before them)."""
     for i, token in enumerate(output_token_ids):
-        if decoder is None:
-            draw_token(rng, prompt_token_ids)
-        else:
-            draw_constrained(decoder, rng, prompt_token_ids, max_tokens - i, token)
+        draw_next(rng, decoder, thought, prompt_token_ids, max_tokens - i, token)
 
 
 class SimWorker:
@@ -126,6 +143,8 @@ class SimWorker:
         self._rngs: dict[str, random.Random] = {}
         self._sources: dict[str, list[int]] = {}  # a resumed request's own prompt: its tokens are drawn from it
         self._decoders: dict[str, ConstrainedDecoder] = {}  # requests decoding under a grammar
+        self._thoughts: dict[str, ThoughtBudget] = {}  # reasoning requests with a thought budget
+        self._scripts: dict[str, list[int]] = {}  # requests answering from a sim script: their tokens in order
         self.failed: list[tuple[SimRequest, str]] = []  # requests whose grammar failed, and why (take_failed)
         self.num_closings = 0  # requests whose budget-aware closing forced tokens
         self.busy = False  # a step is in flight
@@ -136,20 +155,23 @@ class SimWorker:
 
     # ------------------------------------------------------------ requests
     def add(self, request: SimRequest, seed: int | None = None, decoder: ConstrainedDecoder | None = None,
-            resumed: int = 0) -> None:
+            resumed: int = 0, script: list[int] | None = None, thought: ThoughtBudget | None = None) -> None:
         """Queue a request (ValueError if it could never fit); a prefill worker makes one token only.
 
         With a ``decoder`` its tokens follow the grammar; it finishes when the grammar accepts a stop
         token, so ``request.stop_token_ids`` should be the decoder's. ``resumed``: the prompt's last that
         many tokens are a migrated request's output so far; it goes on from there as if never moved
-        (the grammar, when there is one, is replayed over them: ValueError if it refuses them)."""
+        (the grammar, when there is one, is replayed over them: ValueError if it refuses them).
+        ``script``: the tokens to emit instead of draws (sim_script.py), ending with a stop token or cut at
+        ``max_tokens``. ``thought``: a reasoning request's thought budget, closed once spent (thinking.py)."""
         if self.config.role == "prefill":
             request.max_tokens = 1
         source = request.prompt_token_ids[:len(request.prompt_token_ids) - resumed]
         rng = token_rng(source, seed)
         if resumed:
             try:
-                replay(rng, decoder, source, request.max_tokens + resumed, request.prompt_token_ids[len(source):])
+                replay(rng, decoder, source, request.max_tokens + resumed, request.prompt_token_ids[len(source):],
+                       thought)
             except Exception as exc:
                 raise ValueError(f"the tokens so far do not follow the request's grammar: {exc}") from None
             self._sources[request.request_id] = source
@@ -157,11 +179,19 @@ class SimWorker:
         self._rngs[request.request_id] = rng
         if decoder is not None:
             self._decoders[request.request_id] = decoder
+        if thought is not None:
+            self._thoughts[request.request_id] = thought
+        if script is not None:
+            assert script, "a scripted answer has at least one token"
+            request.max_tokens = min(request.max_tokens, len(script))
+            self._scripts[request.request_id] = script
 
     def abort(self, request_id: str) -> SimRequest | None:
         self._rngs.pop(request_id, None)
         self._sources.pop(request_id, None)
         self._decoders.pop(request_id, None)
+        self._thoughts.pop(request_id, None)
+        self._scripts.pop(request_id, None)
         return self.scheduler.abort(request_id)
 
     def kv_ready(self, request: SimRequest, epoch: int) -> None:
@@ -221,12 +251,15 @@ class SimWorker:
             rng = self._rngs[request.request_id]
             decoder = self._decoders.get(request.request_id)
             source = self._sources.get(request.request_id, request.prompt_token_ids)
-            if decoder is None:
-                token = draw_token(rng, source)
+            script = self._scripts.get(request.request_id)
+            if script is not None:
+                token = script[len(request.output_token_ids)]
+            elif decoder is None:
+                token = draw_next(rng, None, self._thoughts.get(request.request_id), source, 0)
             else:
                 remaining = request.max_tokens - len(request.output_token_ids)
                 try:
-                    token = draw_constrained(decoder, rng, source, remaining)
+                    token = draw_next(rng, decoder, self._thoughts.get(request.request_id), source, remaining)
                 except Exception as exc:  # that request's alone: it fails, the others run on
                     self.failed.append((request, f"{type(exc).__name__}: {exc}"))
                     failed.append(request)
@@ -238,6 +271,8 @@ class SimWorker:
         for request in self.scheduler.postprocess(step.batch, sample):
             self._rngs.pop(request.request_id, None)
             self._sources.pop(request.request_id, None)
+            self._scripts.pop(request.request_id, None)
+            self._thoughts.pop(request.request_id, None)
             decoder = self._decoders.pop(request.request_id, None)
             self.num_closings += decoder is not None and decoder.num_forced > 0
             if self.config.role == "prefill":
