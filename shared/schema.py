@@ -112,10 +112,11 @@ class RouteRequest(Struct, frozen=True):
     request_id: str
     model: str
     num_prompt_tokens: int
-    session_id: str | None = None
+    session_id: str | None = None  # the trajectory (services/edge/sessions.py); affinity keys it by ``team``
     exclude_worker_ids: list[str] = []
     block_hashes: list[int] = []  # the prompt's router hashes (shared.prefix_hash), salted by model and cache_salt
     block_size: int = 0  # the block size they were computed at (0: none sent)
+    team: str = ""  # whose session: a tenant cannot re-pin another team's session by naming its id
 
 
 class RouteDecisionEvent(Struct, frozen=True):
@@ -266,6 +267,7 @@ class SessionBinding(Struct, frozen=True):
     repins: int = 0  # how many times the session moved
     reason: str = "new"  # why it was bound here: new | gone | breaker_open | excluded | overloaded
     ts: float = 0.0  # last write (the idle TTL restarts at each write)
+    team: str = ""  # whose session (the key is the team's and the id's hash)
 
 
 
@@ -282,6 +284,7 @@ MAX_MODEL = 256
 MAX_WORKER_ID = 128
 MAX_TRACE_ID = 32
 MAX_DEPLOYMENT = 64  # a deployment's name (shared/deployments.py)
+MAX_TRAJECTORY = 256  # a session id (services/edge/sessions.py): longer ones are refused with a 400
 MAX_COUNT = 2**31 - 1  # token counts and attempts are 32-bit integer columns
 MAX_UNIX_S = 253402300799.0  # 9999-12-31T23:59:59Z, the last second a datetime holds
 Count = Annotated[int, Meta(ge=0, le=MAX_COUNT)]
@@ -316,6 +319,7 @@ class UsageEvent(Struct, frozen=True):
     migration_prefill_tokens: Count = 0
     deployment: Annotated[str, Meta(max_length=MAX_DEPLOYMENT)] = ""  # where its first token came from
     batch_id: Annotated[str, Meta(max_length=MAX_BATCH_ID)] = ""  # the batch job of this line ("": interactive)
+    trajectory: Annotated[str, Meta(max_length=MAX_TRAJECTORY)] = ""  # the agent run's session id ("": none named)
 
 
 class ApiKeyRecord(Struct, frozen=True):
@@ -403,6 +407,7 @@ class BillingContext(Struct, frozen=True, kw_only=True):
     migrations: Count = 0  # attempts before this one that moved the stream (their tokens are this attempt's context)
     migration_prefill_tokens: Count = 0  # what the migrations so far recomputed (this attempt's included)
     batch_id: Annotated[str, Meta(max_length=MAX_BATCH_ID)] = ""  # the batch job of a line (its batch price)
+    trajectory: Annotated[str, Meta(max_length=MAX_TRAJECTORY)] = ""  # the agent run's session id (UsageEvent's)
 
 
 class SignedBilling(Struct, frozen=True):

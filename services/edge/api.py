@@ -30,7 +30,7 @@ from services.edge.http import HttpRequest, JsonReply, Reply, SseReply
 from services.edge.keys import Caller
 from services.edge.mesh import EdgeMesh, RouteHints
 from services.edge.prep import Peek, Prepared, PrepJob, PrepPool, peek
-from services.edge.protocol import MAX_ID_LENGTH
+from services.edge.sessions import session_of
 from services.edge.shapes import Shape
 from services.edge.shapes.chat import ChatShape
 from services.edge.tokenizer import ModelTokenizer
@@ -150,12 +150,13 @@ class EdgeApi:
         trace_id = _trace_id(span, request.headers)
         billing = BillingContext(request_id=request_id, attempt=0, team=caller.team, key_prefix=caller.key_prefix,
                                  model=model, request_class=klass, worker_id="", trace_id=trace_id,
-                                 created_at=arrived, batch_id=request.batch_id)  # signed per attempt: billed if we die
+                                 created_at=arrived, batch_id=request.batch_id,
+                                 trajectory=hints.session_id or "")  # signed per attempt: billed if we die
         run = self.mesh.new_run(request_id, model, prompt_ids, params, tokenizer, prepared.stop, billing, hints,
                                 self._max_migrations(request))
         run.lease_deployment = lease[0].name if lease is not None else ""
         bill = _Bill(request_id, caller, model, arrived, lease, asyncio.get_running_loop().create_future(),
-                     run.usage_so_far, trace_id, request.batch_id, span=span)
+                     run.usage_so_far, trace_id, request.batch_id, span=span, trajectory=hints.session_id or "")
         events = tracing.in_span(_then(self._revocable(self.mesh.generate(run, bill.settle), klass, bill),
                                        lambda: self._spawn_bill(bill)), span)
         try:
@@ -172,6 +173,8 @@ class EdgeApi:
             raise
         shape = shape_for(request_id)
         headers = _trace_headers(request_id, span)
+        if prepared.ignored_tools:  # built-in tools the mesh cannot run: left out of the prompt, and said so
+            headers["x-infermesh-ignored-tools"] = ",".join(prepared.ignored_tools)
         if stream:  # where the first token came from (a migration may move the rest elsewhere)
             return SseReply(self._sse_body(first, events, shape, span),
                             {"x-infermesh-deployment": run.deployment or self.mesh.local.name, **headers})
@@ -217,7 +220,8 @@ class EdgeApi:
                 usage.status, usage.finish_reason, usage.prompt_tokens, usage.cached_tokens,  # type: ignore[arg-type]
                 usage.completion_tokens, round(usage.ttft_ms, 3), round(1000 * (time.time() - bill.arrived), 3),
                 usage.worker_id, usage.prefill_worker_id, bill.trace_id, bill.arrived, usage.migrations,
-                usage.migration_prefill_tokens, usage.deployment or self.mesh.local.name, bill.batch_id))
+                usage.migration_prefill_tokens, usage.deployment or self.mesh.local.name, bill.batch_id,
+                bill.trajectory))
         if span is not None:
             span.set_attributes({"infermesh.usage_seq": seq, "infermesh.billed": bool(seq)})
         if usage is not None and usage.status == "finished":  # GenAI server metrics: from the request's arrival
@@ -264,15 +268,10 @@ class EdgeApi:
         return int(value)
 
     def _session_id(self, request: HttpRequest, body: Prepared) -> str | None:
-        """The session the request belongs to: ``X-Session-Id`` (or Claude Code's ``X-Claude-Code-Session-Id``),
-        else ``user`` when so configured."""
-        headers = request.headers
-        session = (headers.get("x-session-id") or headers.get("x-claude-code-session-id")
-                   or (body.user if self.config.session_from_user else None))
-        if session is not None and len(session) > MAX_ID_LENGTH:
-            raise errors.invalid_request(f"The session id is longer than {MAX_ID_LENGTH} characters.",
-                                         "X-Session-Id")
-        return session or None
+        """The trajectory the request belongs to (services/edge/sessions.py: the harnesses' headers,
+        ``prompt_cache_key``, ``metadata.user_id``; ``user`` when so configured)."""
+        session = session_of(request.headers, body.prompt_cache_key, body.user, self.config.session_from_user)
+        return session.id if session else None
 
     async def _complete(self, first: str | Usage, events: AsyncIterator[str | Usage], shape: Shape,
                         span: trace.Span) -> JsonReply:
@@ -374,6 +373,7 @@ class _Bill:
     span: trace.Span = trace.INVALID_SPAN  # the request's SERVER span (its billing is a child)
     first_token_at: float = 0.0  # when its first token reached the edge (0: none did)
     ended_at: float = 0.0  # when its run settled
+    trajectory: str = ""  # the agent run it belongs to (services/edge/sessions.py)
 
     def settle(self, usage: Usage | None) -> None:
         if not self.settled.done():

@@ -88,8 +88,9 @@ SERVED_MEMORY_S = 600.0  # a model served this recently is unavailable (503), no
 class RouteHints:
     """What a request tells the router beyond its prompt."""
 
-    session_id: str | None = None  # X-Session-Id (or the ``user`` field when so configured)
+    session_id: str | None = None  # the trajectory (services/edge/sessions.py)
     cache_salt: str | None = None  # the tenant's prefix-cache salt: no cache sharing across salts
+    team: str = ""  # whose session it is: the router keys session affinity by team and id
 
 
 @dataclass(slots=True)
@@ -274,7 +275,7 @@ class EdgeMesh:
         hashes = self._prefix_hashes.hashes(prompt_token_ids, model, None, hints.cache_salt, block_size) \
             if block_size else []
         return RouteRequest(request_id, model, len(prompt_token_ids), hints.session_id, [], hashes,
-                            block_size if hashes else 0)
+                            block_size if hashes else 0, hints.team)
 
     async def route(self, bus: Bus, request: RouteRequest) -> RouteDecision:
         """One routing answer from ``bus``'s deployment (its router leaves out workers whose breaker is open);

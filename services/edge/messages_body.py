@@ -78,7 +78,7 @@ Block = TextBlock | ImageBlock | DocumentBlock | ToolUseBlock | ToolResultBlock 
 
 
 class Message(Struct):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: mid-conversation instructions (beta, Claude Code sends)
     content: str | list[Block]
 
 
@@ -105,6 +105,7 @@ class _Body(Struct, kw_only=True, forbid_unknown_fields=True):
     thinking: dict[str, Any] | None = None
     output_config: OutputConfig | None = None
     cache_control: dict[str, Any] | None = None  # accepted: the prefix cache is automatic
+    context_management: dict[str, Any] | None = None
     speed: Literal["standard", "fast"] | None = None
     user_profile_id: str | None = None
     workspace_id: str | None = None
@@ -145,7 +146,7 @@ def translate(body: bytes, context: bytes = b"") -> Translated:
         temperature=req.temperature, top_p=req.top_p, stop=stop or None, tools=tools, tool_choice=choice,
         parallel_tool_calls=parallel, user=req.metadata.user_id if req.metadata else None,
         response_format=_response_format(req.output_config.format if req.output_config else None))
-    return Translated(chat, None, _Params(origins))
+    return Translated(chat, None, _Params(origins), tuple(dropped_tools(req)))
 
 
 def translate_count(body: bytes, context: bytes = b"") -> Translated:
@@ -156,7 +157,7 @@ def translate_count(body: bytes, context: bytes = b"") -> Translated:
     output = req.output_config.format if req.output_config and req.output_config.format else req.output_format
     chat = ChatCompletionRequest(model=req.model, messages=messages, max_tokens=1, tools=tools, tool_choice=choice,
                                  parallel_tool_calls=parallel, response_format=_response_format(output))
-    return Translated(chat, None, _Params(origins))
+    return Translated(chat, None, _Params(origins), tuple(dropped_tools(req)))
 
 
 def _response_format(output: OutputFormat | None) -> dict[str, Any] | None:
@@ -196,7 +197,9 @@ def _messages(req: _Body) -> tuple[list[ChatMessage], list[str]]:
     for i, message in enumerate(req.messages):
         where = f"messages[{i}]"
         content = message.content
-        if isinstance(content, str):
+        if message.role == "system":  # in place; the template merges it where it allows one system turn
+            turns = [ChatMessage("system", content if isinstance(content, str) else _text(content, f"{where}.content"))]
+        elif isinstance(content, str):
             turns = [ChatMessage(message.role, content)]
         elif message.role == "assistant":
             turns = [_assistant(content, f"{where}.content")]
@@ -244,8 +247,10 @@ def _user(blocks: list[Any], where: str) -> list[ChatMessage]:
 
 # ------------------------------------------------------------ tools
 def _tools(req: _Body) -> tuple[list[dict[str, Any]] | None, Any, bool | None]:
-    """``tools`` / ``tool_choice`` as chat's ``tools`` / ``tool_choice`` / ``parallel_tool_calls``."""
-    tools = None if req.tools is None else [_tool(tool, f"tools[{i}]") for i, tool in enumerate(req.tools)]
+    """``tools`` / ``tool_choice`` as chat's ``tools`` / ``tool_choice`` / ``parallel_tool_calls``; Anthropic's own
+    tools (server tools, and the schema-less client tools it defines) are left out: ``dropped_tools`` names them."""
+    tools = None if req.tools is None else [_tool(tool, f"tools[{i}]") for i, tool in enumerate(req.tools)
+                                             if not _is_built_in(tool)] or None
     choice = req.tool_choice
     if choice is None:
         return tools, None, None
@@ -261,6 +266,9 @@ def _tools(req: _Body) -> tuple[list[dict[str, Any]] | None, Any, bool | None]:
         name = choice.get("name")
         if not isinstance(name, str) or not name:
             raise InvalidRequest("tool_choice.name: a tool name is required for type 'tool'.", "tool_choice.name")
+        if name in {tool.get("name") for tool in req.tools or () if _is_built_in(tool)}:
+            raise InvalidRequest(f"tool_choice.name: {name!r} is one of Anthropic's own tools, which do not run "
+                                 "here.", "tool_choice.name")
         return tools, {"type": "function", "function": {"name": name}}, parallel
     raise InvalidRequest(f"tool_choice.type: {kind!r} is not one of 'auto', 'any', 'tool', 'none'.",
                          "tool_choice.type")
@@ -269,6 +277,27 @@ def _tools(req: _Body) -> tuple[list[dict[str, Any]] | None, Any, bool | None]:
 # a client tool's keys; all but name / description / input_schema change nothing (the grammar is always strict)
 _TOOL_KEYS = {"type", "name", "description", "input_schema", "cache_control", "strict", "eager_input_streaming",
               "input_examples", "defer_loading", "allowed_callers"}
+
+
+def dropped_tools(req: _Body) -> list[str]:
+    """The types of the tools left out of the prompt (Anthropic's own: none runs here)."""
+    return [tool["type"] for tool in req.tools or () if _is_built_in(tool)]
+
+
+def _is_built_in(tool: Any) -> bool:
+    return isinstance(tool, dict) and tool.get("type") in BUILT_IN
+
+
+# Anthropic's own tools: server tools it runs, and client tools whose schema only its models know
+BUILT_IN = frozenset({
+    "bash_20241022", "bash_20250124", "browser_toolset_20260801", "code_execution_20250522",
+    "code_execution_20250825", "code_execution_20260120", "code_execution_20260521", "computer_20241022",
+    "computer_20250124", "computer_20251124", "computer_toolset_20260801", "mcp_toolset", "memory_20250818",
+    "text_editor_20241022", "text_editor_20250124", "text_editor_20250429", "text_editor_20250728",
+    "tool_search_tool_bm25", "tool_search_tool_bm25_20251119", "tool_search_tool_regex",
+    "tool_search_tool_regex_20251119", "web_fetch_20250910", "web_fetch_20260209", "web_fetch_20260309",
+    "web_fetch_20260318", "web_search_20250305", "web_search_20260209", "web_search_20260318",
+    "advisor_20260301"})
 
 
 def _tool(tool: Any, where: str) -> dict[str, Any]:

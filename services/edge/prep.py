@@ -125,6 +125,8 @@ class Prepared:
     tools: ToolSpec | None  # what the tool-call parser reads the output for; None: no parsing
     checked_schemas: tuple[bytes, ...] = ()  # schema keys that passed their meta-schema check
     extra: Any = None  # what the endpoint's translation keeps for its response's shape (picklable)
+    ignored_tools: tuple[str, ...] = ()  # built-in tools left out of the prompt (x-infermesh-ignored-tools)
+    prompt_cache_key: str | None = None  # OpenAI's: a session id candidate (services/edge/sessions.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +207,7 @@ def _prepare_translated(translated: Translated, job: PrepJob, tokenizer: Any) ->
         exc.param = exc.param and translated.param(exc.param)
         raise
     prepared.extra = translated.extra
+    prepared.ignored_tools = translated.ignored_tools
     return prepared
 
 
@@ -227,7 +230,7 @@ def _prepared(body: Any, prompt_ids: list[int], params: SamplingParams, sampling
               tools: ToolSpec | None, checked: tuple[bytes, ...]) -> Prepared:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Prepared(body.model, body.stream, include_usage, body.user, body.cache_salt, prompt_ids, params,
-                    sampling.stop, tools, checked)
+                    sampling.stop, tools, checked, prompt_cache_key=getattr(body, "prompt_cache_key", None))
 
 
 # ------------------------------------------------------------ in a worker process

@@ -150,6 +150,7 @@ class Translated:
     body: ChatCompletionRequest
     extra: Any = None  # what its response's shape keeps (``Prepared.extra``; picklable)
     param: Callable[[str], str] = _same  # a chat request's param -> the endpoint's name for it (errors name it)
+    ignored_tools: tuple[str, ...] = ()  # built-in tools left out of the prompt (the response's header says so)
 
 
 def _param_of(error: msgspec.ValidationError) -> str | None:

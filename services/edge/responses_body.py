@@ -108,6 +108,7 @@ class ResponsesRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     stream_options: dict[str, Any] | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
+    client_metadata: dict[str, str] | None = None
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
@@ -146,7 +147,7 @@ def translate(body: bytes, context: bytes = b"") -> Translated:
         raise InvalidRequest("input: Field required", "input")
     items = _items(req.input)
     messages, origins, calls = _messages(req.instructions, [*earlier, *items], len(earlier))
-    tools, choice = _tools(req)
+    tools, choice, dropped = _tools(req)
     fmt = req.text.format if req.text else None
     chat = ChatCompletionRequest(
         model=req.model, messages=messages, max_tokens=req.max_output_tokens, stream=bool(req.stream),
@@ -164,7 +165,7 @@ def translate(body: bytes, context: bytes = b"") -> Translated:
              "metadata": req.metadata or {}, "user": req.user, "store": req.store is not False,
              "truncation": req.truncation or "disabled", "input_items": items,
              "previous_response_id": req.previous_response_id}
-    return Translated(chat, extra, _Params(origins, calls))
+    return Translated(chat, extra, _Params(origins, calls), tuple(dropped))
 
 
 def _response_format(fmt: Any) -> dict[str, Any] | None:
@@ -280,20 +281,39 @@ def _text(content: str | list[Part], role: str, where: str) -> str:
 
 
 # ------------------------------------------------------------ tools
-def _tools(req: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, Any]:
-    """``tools`` / ``tool_choice`` as chat's (no tools: none declared, and ``auto`` then asks for nothing)."""
-    tools = [_tool(tool, f"tools[{i}]") for i, tool in enumerate(req.tools or [])] or None
+def _tools(req: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, Any, list[str]]:
+    """``tools`` / ``tool_choice`` as chat's (no tools: none declared, and ``auto`` then asks for nothing), and the
+    built-in tools left out (none runs here: the model is not told of them, the response says so)."""
+    tools: list[dict[str, Any]] = []
+    dropped: list[str] = []
+    for i, tool in enumerate(req.tools or []):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "namespace":  # functions grouped under a name (Codex): each is a function tool
+            tools += [_tool(inner, f"tools[{i}].tools[{j}]") for j, inner in enumerate(tool.get("tools") or [])]
+        elif isinstance(kind, str) and kind in BUILT_IN:
+            dropped.append(kind)
+        else:
+            tools.append(_tool(tool, f"tools[{i}]"))
     choice = req.tool_choice
     if choice is None or isinstance(choice, str):
-        return tools, None if choice == "auto" and tools is None else choice
+        return tools or None, None if choice == "auto" and not tools else choice, dropped
     kind = choice.get("type")
+    if kind in BUILT_IN:
+        raise InvalidRequest(f"tool_choice.type: {kind!r} is a built-in tool that does not run here.",
+                             "tool_choice.type")
     if kind != "function":
         raise InvalidRequest(f"tool_choice.type: {kind!r} is not supported: only 'function' tools are.",
                              "tool_choice.type")
     name = choice.get("name")
     if not isinstance(name, str) or not name:
         raise InvalidRequest("tool_choice.name: a tool name is required for type 'function'.", "tool_choice.name")
-    return tools, {"type": "function", "function": {"name": name}}
+    return tools or None, {"type": "function", "function": {"name": name}}, dropped
+
+
+# built-in tools OpenAI runs itself; none runs here, so they are left out of the prompt (and reported)
+BUILT_IN = frozenset({"web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11",
+                      "file_search", "computer", "computer_use_preview", "code_interpreter", "image_generation",
+                      "mcp", "local_shell", "shell", "apply_patch", "tool_search"})
 
 
 # a function tool's keys; all but name / description / parameters change nothing (the grammar is always strict)

@@ -41,6 +41,17 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
+SYSTEM_ROLES = ("system", "developer")
+
+
+def merge_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with every system / developer message joined, in order, into one leading system turn: what a
+    template that allows one system turn can place (OpenAI's developer role is a system turn to these models)."""
+    texts = [m["content"] for m in messages if m["role"] in SYSTEM_ROLES and m["content"]]
+    rest = [m for m in messages if m["role"] not in SYSTEM_ROLES]
+    return [{"role": "system", "content": "\n\n".join(texts)}, *rest] if texts else rest
+
+
 class ModelTokenizer:
     def __init__(self, path: str) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -98,6 +109,20 @@ class ModelTokenizer:
         return self.prefix_tokens.encode_ids(self.render(messages))
 
     def render(self, messages: list[dict[str, Any]]) -> str:
+        """The prompt text; a system (or developer) message after the first turn is rendered in place where the
+        template places it, else merged into the leading system turn (``merge_system``): where the template raises
+        on it or leaves its text out."""
+        if not any(m["role"] == "developer" or (i and m["role"] == "system") for i, m in enumerate(messages)):
+            return self._render(messages)
+        try:
+            text = self._render(messages)
+        except Exception:  # justified: a template that refuses a non-leading system turn (raise_exception)
+            return self._render(merge_system(messages))
+        if all(m["content"].strip() in text for m in messages if m["role"] in SYSTEM_ROLES):
+            return text
+        return self._render(merge_system(messages))  # the template dropped it silently
+
+    def _render(self, messages: list[dict[str, Any]]) -> str:
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                            chat_template=self.chat_template)
 

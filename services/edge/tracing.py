@@ -36,7 +36,7 @@ def start_request_span(kind: str, path: str, headers: Any, request_id: str, mode
                          "http.request.method": "POST", "url.path": path, "infermesh.request_id": request_id,
                          "infermesh.team": team, "infermesh.stream": stream})
     if session_id:
-        span.set_attribute("infermesh.session_id", session_id)
+        span.set_attributes({"infermesh.session_id": session_id, "session.id": session_id})  # OTel's name too
     return span
 
 

@@ -86,7 +86,9 @@ def test_tools_and_every_tool_choice():
      "text-only"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "n", "input": {}}]}]},
      "messages[0].content[0]", "tool_use"),
-    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type", "not supported"),
+    ({"tools": [{"type": "magic_20990101", "name": "m"}]}, "tools[0].type", "not supported"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}],
+      "tool_choice": {"type": "tool", "name": "web_search"}}, "tool_choice.name", "do not run here"),
     ({"tools": [{"name": "w"}]}, "tools[0].input_schema", "required"),
     ({"tools": [{"name": "w", "input_schema": {}, "color": "red"}]}, "tools[0].color", "Extra inputs"),
     ({"container": "c-1"}, "container", "not supported"),
@@ -130,3 +132,24 @@ def test_chat_params_are_named_as_the_messages_body_names_them():
     assert out.param("tools[3].function.parameters.properties") == "tools[3].input_schema.properties"
     assert out.param("tools[0].function.name") == "tools[0].name"
     assert out.param("stop") == "stop_sequences" and out.param("temperature") == "temperature"
+
+
+def test_system_messages_inside_messages_stay_in_place():
+    out = translate(body(system="first", context_management={"edits": [{"type": "clear_thinking_20251015",
+                                                                          "keep": "all"}]},
+                         messages=[{"role": "user", "content": "hi"},
+                                   {"role": "system", "content": "agents: claude"},
+                                   {"role": "system", "content": [{"type": "text", "text": "more"}]}]))
+    assert chat_messages(out) == [{"role": "system", "content": "first"}, {"role": "user", "content": "hi"},
+                                  {"role": "system", "content": "agents: claude"},
+                                  {"role": "system", "content": "more"}]
+
+
+def test_anthropic_own_tools_are_left_out_and_named():
+    client = {"name": "w", "input_schema": {"type": "object"}}
+    out = translate(body(tools=[{"type": "web_search_20250305", "name": "web_search"}, client,
+                                {"type": "bash_20250124", "name": "bash"}]))
+    assert [t["function"]["name"] for t in out.body.tools] == ["w"]
+    assert out.ignored_tools == ("web_search_20250305", "bash_20250124")
+    only = translate(body(tools=[{"type": "text_editor_20250728", "name": "str_replace_based_edit_tool"}]))
+    assert only.body.tools is None and only.ignored_tools == ("text_editor_20250728",)

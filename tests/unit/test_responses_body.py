@@ -183,13 +183,13 @@ def message(*parts, role="user") -> list[dict]:
     ({"input": [{"type": "function_call", "name": "w", "arguments": "{}"}]}, "input[0].call_id", "required"),
     ({"input": [{"type": "function_call_output", "call_id": "c",
                  "output": [{"type": "input_image", "image_url": "u"}]}]}, "input[0].output[0]", "text-only"),
-    ({"tools": [{"type": "web_search"}]}, "tools[0].type", "not supported"),
-    ({"tools": [{"type": "file_search", "vector_store_ids": []}]}, "tools[0].type", "not supported"),
-    ({"tools": [WEATHER, {"type": "mcp", "server_label": "s"}]}, "tools[1].type", "not supported"),
+    ({"tools": [{"type": "magic"}]}, "tools[0].type", "not supported"),
+    ({"tools": [{"type": "namespace", "name": "n", "tools": [{"type": "function"}]}]}, "tools[0].tools[0].name",
+     "required"),
     ({"tools": [{"type": "custom", "name": "apply_patch"}]}, "tools[0].type", "not supported"),
     ({"tools": [{"type": "function"}]}, "tools[0].name", "required"),
     ({"tools": [{**WEATHER, "color": "red"}]}, "tools[0].color", "Extra inputs"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "web_search_preview"}}, "tool_choice.type", "not supported"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "web_search_preview"}}, "tool_choice.type", "does not run here"),
     ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}},
      "tool_choice.type", "not supported"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice.name", "name"),
@@ -260,3 +260,22 @@ def rejected_with(raw: bytes, context: str) -> InvalidRequest:
     with pytest.raises(InvalidRequest) as info:
         translate(raw, context.encode())
     return info.value
+
+
+def test_codex_fields_are_accepted_and_its_namespace_functions_are_tools():
+    namespace = {"type": "namespace", "name": "agents", "description": "sub-agents",
+                 "tools": [{**WEATHER, "name": "spawn_agent", "strict": False}]}
+    out = translate(body(client_metadata={"x-codex-window-id": "w"}, store=False, prompt_cache_key="k",
+                         include=["reasoning.encrypted_content"], reasoning={"summary": "auto"},
+                         tools=[WEATHER, namespace, {"type": "web_search", "external_web_access": False}]))
+    assert [t["function"]["name"] for t in out.body.tools] == ["weather", "spawn_agent"]
+    assert out.ignored_tools == ("web_search",)
+
+
+@pytest.mark.parametrize("kind", ["web_search", "file_search", "code_interpreter", "image_generation", "mcp",
+                                  "local_shell", "computer_use_preview"])
+def test_built_in_tools_are_left_out_and_named(kind):
+    out = translate(body(tools=[{"type": kind}, WEATHER]))
+    assert [t["function"]["name"] for t in out.body.tools] == ["weather"] and out.ignored_tools == (kind,)
+    only = translate(body(tools=[{"type": kind}], tool_choice="auto"))
+    assert only.body.tools is None and only.body.tool_choice is None and only.ignored_tools == (kind,)
