@@ -54,6 +54,7 @@ from shared.schema import (
     MAX_REQUEST_ID,
     MAX_TEAM,
     MAX_TRACE_ID,
+    MAX_TRAJECTORY,
     MAX_WORKER_ID,
     UsageFinishReason,
     UsageStatus,
@@ -152,6 +153,9 @@ class Usage(Base):
     __table_args__ = (UniqueConstraint("request_id", "attempt", name="uq_usage_request_attempt"),
                       Index("uq_usage_batch_request", "request_id", unique=True,
                             postgresql_where=text("batch_id <> ''"), sqlite_where=text("batch_id <> ''")),
+                      # a team's trajectories (cost per agent run): only the rows that name one
+                      Index("ix_usage_team_trajectory", "team", "trajectory",
+                            postgresql_where=text("trajectory <> ''"), sqlite_where=text("trajectory <> ''")),
                       one_of("status", UsageStatus), one_of("finish_reason", UsageFinishReason))
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
@@ -181,6 +185,8 @@ class Usage(Base):
     deployment: Mapped[str] = mapped_column(String(MAX_DEPLOYMENT), nullable=False, default="", server_default="")
     # the batch job this line belongs to, priced at the batch price; "" for interactive (and before revision 0005)
     batch_id: Mapped[str] = mapped_column(String(MAX_BATCH_ID), nullable=False, default="", server_default="")
+    # the agent run it was part of (services/edge/sessions.py); "" when none was named (and before revision 0007)
+    trajectory: Mapped[str] = mapped_column(String(MAX_TRAJECTORY), nullable=False, default="", server_default="")
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), nullable=False, index=True)
     ingested_at: Mapped[dt.datetime] = _created()
 

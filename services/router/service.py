@@ -223,6 +223,7 @@ class RouterService:
         with _tracer.start_as_current_span("router.route", kind=trace.SpanKind.SERVER) as span:
             span.set_attributes({"infermesh.request_id": request.request_id, "infermesh.router_id": self.router_id,
                                  "infermesh.session_id": request.session_id or "",
+                                 "session.id": request.session_id or "",
                                  "infermesh.num_prompt_tokens": request.num_prompt_tokens})
             with self._decision_s.time():
                 plan = await self.decide(request)
@@ -236,7 +237,7 @@ class RouterService:
         """What this replica would answer now, with no side effect: for debugging and replica checks."""
         bound = None
         if request.session_id and self.sessions is not None:
-            binding, _ = await self.sessions.get(request.session_id)
+            binding, _ = await self.sessions.get(request.session_id, request.team)
             bound = binding.worker_id if binding else None
         await self.bus.respond(raw, self.policy.route(request, self.view(), bound).reply)
 
@@ -278,7 +279,7 @@ class RouterService:
         return None
 
     async def _decide_in_session(self, request: RouteRequest, session_id: str, sessions: SessionStore) -> Plan:
-        binding, revision = await sessions.get(session_id)
+        binding, revision = await sessions.get(session_id, request.team)
         for _ in range(3):
             plan = self.policy.route(request, self.view(), bound=binding.worker_id if binding else None)
             if not isinstance(plan.reply, RouteDecision):
@@ -292,10 +293,11 @@ class RouterService:
                     return plan
                 repins = binding.repins + 1 if binding else 0
                 reason = plan.repin_reason or ("new" if binding is None else "moved")
-                await sessions.put(SessionBinding(session_id, chosen, now, repins, reason), revision)
+                await sessions.put(SessionBinding(session_id, chosen, now, repins, reason, team=request.team),
+                                   revision)
             except BindingConflict:  # another replica wrote first: decide again with its binding
                 self.stats["binding_conflicts"] += 1
-                binding, revision = await sessions.get(session_id)
+                binding, revision = await sessions.get(session_id, request.team)
                 continue
             if binding is not None:
                 self.stats["repins"] += 1
