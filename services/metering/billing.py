@@ -10,6 +10,9 @@ Every total also carries ``platform_cost``: the migrations of its requests (a st
 mid-request) and the prompt tokens those workers recomputed. The platform pays for them; they are never in
 ``cost_nano``, which prices the counts the client was told.
 
+Cost per trajectory (an agent run: the session id the edge read from the request, services/edge/sessions.py)
+comes from the raw ``usage`` rows, grouped by ``trajectory``.
+
 Batch spend is apart too: ``batch_requests`` / ``batch_cost_nano`` are the lines of batch jobs among ``requests`` /
 ``cost_nano`` (which count every line; interactive is the difference), and ``jobs`` lists the team's batch jobs.
 """
@@ -167,6 +170,34 @@ async def recent_usage(session: AsyncSession, team: str, limit: int = 50) -> lis
         "created_at": _utc_iso(u.created_at),
         "platform_cost": platform_cost(u.migrations, u.migration_prefill_tokens),
     } for u in rows]
+
+
+async def trajectories(session: AsyncSession, team: str, start: dt.date, end: dt.date,
+                       limit: int = 50) -> list[dict[str, Any]]:
+    """The team's agent runs (``usage.trajectory``, services/edge/sessions.py) with requests from ``start`` to
+    ``end`` (both included, UTC), most expensive first: what each cost, its tokens, its cached share, its requests
+    and when it was first and last seen in the period. From the usage rows (the daily sums have no trajectory)."""
+    first, following = (dt.datetime.combine(day, dt.time(), dt.timezone.utc) for day in
+                        (start, end + dt.timedelta(days=1)))
+    cost = func.sum(Usage.cost_nano)
+    rows = await session.execute(
+        select(Usage.trajectory, func.count().label("requests"),
+               func.sum(Usage.prompt_tokens).label("prompt_tokens"),
+               func.sum(Usage.cached_tokens).label("cached_tokens"),
+               func.sum(Usage.completion_tokens).label("completion_tokens"), cost.label("cost_nano"),
+               func.min(Usage.created_at).label("first_seen"), func.max(Usage.created_at).label("last_seen"))
+        .where(Usage.team == team, Usage.trajectory != "", Usage.created_at >= first, Usage.created_at < following)
+        .group_by(Usage.trajectory).order_by(cost.desc(), Usage.trajectory).limit(limit))
+    return [_trajectory(row) for row in rows]
+
+
+def _trajectory(row: Any) -> dict[str, Any]:
+    prompt, cached, completion, cost = (_int(row.prompt_tokens), _int(row.cached_tokens),
+                                        _int(row.completion_tokens), _int(row.cost_nano))
+    return {"trajectory": row.trajectory, "requests": _int(row.requests), "prompt_tokens": prompt,
+            "cached_tokens": cached, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "cached_share": round(cached / prompt, 6) if prompt else None, "cost_nano": cost, "cost_usd": usd(cost),
+            "first_seen": _utc_iso(row.first_seen), "last_seen": _utc_iso(row.last_seen)}
 
 
 async def jobs(session: AsyncSession, team: str, limit: int = 20) -> list[dict[str, Any]]:

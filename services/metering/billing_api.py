@@ -35,6 +35,7 @@ MAX_RANGE_DAYS = 366
 MAX_KEYS = 100
 MAX_USAGE_ROWS = 500
 MAX_JOBS = 100
+MAX_TRAJECTORIES = 500
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 # The page is self-contained: nothing may load from elsewhere, and it only talks to this origin.
 DASHBOARD_HEADERS = {
@@ -218,6 +219,15 @@ def create_billing_app(engine: AsyncEngine, key_cache_ttl_s: float = 1.0, trace_
             rows = await billing.recent_usage(session, team, limit)
         return {"team": team, "data": rows, "trace_url": trace_url}
 
+    @get("/v1/billing/teams/{team:str}/trajectories")
+    async def trajectories(request: Request) -> dict[str, Any]:
+        team = await require_admin(request)
+        start, end = _date_range(request)
+        limit = _limit_param(request, 50, MAX_TRAJECTORIES)
+        async with sessions() as session:
+            rows = await billing.trajectories(session, team, start, end, limit)
+        return {"team": team, "start": start.isoformat(), "end": end.isoformat(), "data": rows}
+
     @get("/v1/billing/teams/{team:str}/jobs")
     async def jobs(request: Request) -> dict[str, Any]:
         team = await require_admin(request)
@@ -236,7 +246,7 @@ def create_billing_app(engine: AsyncEngine, key_cache_ttl_s: float = 1.0, trace_
         return {"status": "ok"}
 
     return Litestar(
-        route_handlers=[summary, daily, top_keys, usage, jobs, dashboard, health],
+        route_handlers=[summary, daily, top_keys, usage, trajectories, jobs, dashboard, health],
         exception_handlers={ApiError: _on_api_error, HTTPException: _on_http_error, Exception: _on_unexpected},
         openapi_config=None,
         debug=False,

@@ -92,6 +92,13 @@ async def seed_batches(session: AsyncSession) -> None:
     await session.commit()
 
 
+async def seed_trajectories(session: AsyncSession) -> None:
+    """acme's req-a1 and both attempts of req-a2 are one agent run; globex names a run of the same id."""
+    await session.execute(update(Usage).where(Usage.request_id.in_(["req-a1", "req-a2", "req-g1"]))
+                          .values(trajectory="run-1"))
+    await session.commit()
+
+
 @pytest.fixture(scope="module")
 async def server(tmp_path_factory):
     db_url = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('billing') / 'ledger.db'}"
@@ -101,6 +108,7 @@ async def server(tmp_path_factory):
     async with async_sessionmaker(engine)() as session:
         await seed_ledger(session)
         await seed_batches(session)
+        await seed_trajectories(session)
     await engine.dispose()
     with BillingServer(db_url) as running:
         yield running
@@ -201,6 +209,14 @@ def test_batch_spend_and_jobs_show_apart_from_interactive(server, browser):
     # the jobs come from the one jobs endpoint, next to the page's other calls
     source = browser.execute_script("return document.scripts[0].textContent")
     assert 'call(key, "jobs", {})' in source
+
+
+def test_cost_per_trajectory_shows_in_its_table(server, browser):
+    state = open_dashboard(browser, server.url(f"/dashboard/acme?{OCTOBER}#key={KEYS['acme_admin']}"))
+    assert state == "loaded", text_of(browser, "error")
+    # 3 attempts of 100 prompt (40 cached) + 20 completion tokens; costs 1,000 + 2,000 + 3,000 nano; globex's not in
+    assert rows_of(browser, "trajectories-table") == [
+        ["run-1", "3", "360", "40.0%", "$0.000006", "2026-10-01 10:00:00", "2026-10-05 09:00:01"]]
 
 
 def test_a_usage_row_links_to_its_trace_in_the_trace_ui(server, browser):

@@ -73,3 +73,19 @@ def test_session_keys_are_valid_kv_keys_for_any_id():
         key = session_key(session)
         assert key.startswith("s-") and len(key) == 34 and key[2:].isalnum()
     assert session_key("a") != session_key("b")
+
+
+async def test_a_session_id_is_its_teams_another_team_naming_it_binds_its_own(buses):
+    store = SessionStore(buses[0], idle_ttl_s=60)
+    await store.start()
+    await store.put(SessionBinding("shared-id", "w1", 1.0, team="alpha"), 0)
+    theirs, revision = await store.get("shared-id", "beta")
+    assert theirs is None  # beta sees nothing of alpha's session...
+    await store.put(SessionBinding("shared-id", "w2", 2.0, team="beta"), revision)
+    assert (await store.get("shared-id", "alpha"))[0].worker_id == "w1"  # ...and binding its own moves nothing
+    assert (await store.get("shared-id", "beta"))[0].worker_id == "w2"
+
+
+def test_session_keys_differ_by_team_and_never_collide_across_the_split():
+    assert session_key("s", "alpha") != session_key("s", "beta")
+    assert session_key("bc", "a") != session_key("c", "ab")  # the same joined text, another (team, id)
