@@ -450,6 +450,18 @@ class Structured(Struct, frozen=True):
     close_within: int = 0
 
 
+class Thinking(Struct, frozen=True):
+    """A reasoning model's thought budget (Anthropic ``thinking.budget_tokens``, ``reasoning_effort``...): once the
+    thought took ``budget`` tokens the engine writes ``end_token_ids`` (the end-of-thought tag) and the model goes
+    on with its answer. ``open``: the prompt ended inside a thought (the template opened it); else a thought opens
+    when the output starts with ``start_token_ids``. Only the first thought is budgeted."""
+
+    budget: int
+    end_token_ids: list[int]
+    start_token_ids: list[int] = []
+    open: bool = False
+
+
 class SamplingParams(Struct, frozen=True):
     max_tokens: int
     temperature: float = 1.0
@@ -460,6 +472,7 @@ class SamplingParams(Struct, frozen=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     structured: Structured | None = None  # grammar-constrained output (tool calls, response_format)
+    thinking: Thinking | None = None  # a reasoning model's thought budget, closed by the engine
 
 
 class KvTransfer(Struct, frozen=True):

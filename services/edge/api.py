@@ -30,6 +30,7 @@ from services.edge.http import HttpRequest, JsonReply, Reply, SseReply
 from services.edge.keys import Caller
 from services.edge.mesh import EdgeMesh, RouteHints
 from services.edge.prep import Peek, Prepared, PrepJob, PrepPool, peek
+from services.edge.reasoning import ReasoningParser
 from services.edge.sessions import session_of
 from services.edge.shapes import Shape
 from services.edge.shapes.chat import ChatShape
@@ -88,7 +89,7 @@ class EdgeApi:
         parser = self.tool_parser(prepared)
         return await self.serve(request, kind, prepared, tokenizer, lambda request_id: ChatShape(
             kind, f"{prefix}-{request_id}", prepared.model, parser(request_id[:16]) if parser else None,
-            prepared.include_usage))
+            prepared.include_usage, thinker(prepared)))
 
     async def prepare(self, request: HttpRequest, kind: str,
                       context: Callable[[Peek], Awaitable[bytes]] | None = None) -> tuple[Prepared, ModelTokenizer]:
@@ -111,7 +112,7 @@ class EdgeApi:
 
     def _job(self, kind: str, body: bytes, seen: Peek, info: Any, context: bytes = b"") -> PrepJob:
         return PrepJob(kind, body, info.tokenizer, info.max_model_len, self.config.tool_format(seen.model),  # type: ignore[arg-type]
-                       self.config.tool_close_within, self.limits, context)
+                       self.config.tool_close_within, self.limits, context, self.config.reasoning_format(seen.model))
 
     async def _model(self, model: str) -> tuple[Any, ModelTokenizer]:
         info = self.mesh.model_info(model)
@@ -175,6 +176,7 @@ class EdgeApi:
         headers = _trace_headers(request_id, span)
         if prepared.ignored_tools:  # built-in tools the mesh cannot run: left out of the prompt, and said so
             headers["x-infermesh-ignored-tools"] = ",".join(prepared.ignored_tools)
+        events = _thought_counted(events, shape, prepared, run.output)
         if stream:  # where the first token came from (a migration may move the rest elsewhere)
             return SseReply(self._sse_body(first, events, shape, span),
                             {"x-infermesh-deployment": run.deployment or self.mesh.local.name, **headers})
@@ -318,6 +320,23 @@ class EdgeApi:
             await events.aclose()
             span.end()
         yield head + tail
+
+
+def thinker(prepared: Prepared) -> ReasoningParser | None:
+    """What separates a reasoning model's thought in the response (None: the model does not think)."""
+    return prepared.reasoning.parser() if prepared.reasoning is not None else None
+
+
+async def _thought_counted(events: AsyncIterator[str | Usage], shape: Shape, prepared: Prepared,
+                           output: list[int]) -> AsyncIterator[str | Usage]:
+    """``events``; once the run ended (its usage), the shape's thought parser learns how many of the run's output
+    tokens the thought took (usage's ``reasoning_tokens``), counted on the tokens themselves."""
+    thought = getattr(getattr(shape, "output", None), "thinker", None)
+    async with aclosing(events) as inner:  # type: ignore[type-var]
+        async for item in inner:
+            if isinstance(item, Usage) and thought is not None and prepared.reasoning is not None:
+                thought.tokens = prepared.reasoning.count(output)
+            yield item
 
 
 async def _until_revoked(events: AsyncIterator[str | Usage], revoked: "asyncio.Future[None]", bill: _Bill,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.edge.reasoning import REASONING_FORMATS
 from shared.batch_schema import MAX_BATCH_FILE_BYTES
 from shared.config import BusConfig
 
@@ -39,6 +40,10 @@ class EdgeConfig(BusConfig):
     admission: bool = True  # no lease, no request (needs an admission service; tests may run without)
     tool_call_format: str = "hermes"  # how models write tool calls: hermes (Hermes/Qwen) or glm
     tool_call_formats: str = ""  # per-model overrides, "model=glm,other=hermes"
+    # how reasoning models write their thought (services/edge/reasoning.py): "" (none: all text is the answer),
+    # deepseek_r1, qwen3 or glm45; per model: "model=qwen3,other=deepseek_r1"
+    reasoning_parser: str = ""
+    reasoning_parsers: str = ""
     # budget-aware closing: watch the last this many tokens (0: off); must exceed the closing length
     tool_close_within: int = 128
     admission_wait_s: float = 10.0  # how long a request may wait in admission's queue before a 429
@@ -83,9 +88,25 @@ class EdgeConfig(BusConfig):
             formats[model] = fmt
         return formats
 
+    def reasoning_format(self, model: str) -> str:
+        """The model's reasoning parser ("": it does not think, or its thought is not separated)."""
+        return self.reasoning_formats().get(model, self.reasoning_parser)
+
+    def reasoning_formats(self) -> dict[str, str]:
+        formats = {}
+        for item in filter(None, (part.strip() for part in self.reasoning_parsers.split(","))):
+            model, sep, fmt = item.rpartition("=")
+            assert sep and model and fmt in (*REASONING_FORMATS, "none"), \
+                f"bad reasoning_parsers entry {item!r}: model={'|'.join(REASONING_FORMATS)}|none"
+            formats[model] = "" if fmt == "none" else fmt
+        return formats
+
     def __post_init__(self) -> None:
         self.team_keys()
         self.tool_formats()
+        self.reasoning_formats()
+        assert self.reasoning_parser in ("", *REASONING_FORMATS), \
+            f"reasoning_parser must be one of {', '.join(REASONING_FORMATS)} (or empty)"
         assert self.tool_call_format in ("hermes", "glm"), "tool_call_format must be hermes or glm"
         assert self.tool_close_within >= 0
         assert 0 < self.http_port < 65536 or self.http_port == 0, "http_port out of range"

@@ -16,7 +16,7 @@ from litestar.handlers import asgi
 from litestar.types import Receive, Scope, Send
 
 from services.edge import http
-from services.edge.api import EdgeApi
+from services.edge.api import EdgeApi, thinker
 from services.edge.http import HttpRequest, JsonReply, Reply
 from services.edge.keys import Caller
 from services.edge.shapes.messages import MessagesShape, anthropic_error
@@ -47,7 +47,7 @@ class MessagesApi:
         parser = self.api.tool_parser(prepared)
         return await self.api.serve(request, "messages", prepared, tokenizer, lambda request_id: MessagesShape(
             f"msg_{request_id}", prepared.model, parser(request_id[:16]) if parser else None,
-            len(prepared.prompt_ids)))
+            len(prepared.prompt_ids), thinker(prepared)))
 
     async def count_tokens(self, request: HttpRequest) -> Reply:
         """The prompt's tokens as generation would see them: the same translation, chat template and tokenizer."""

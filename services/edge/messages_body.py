@@ -5,14 +5,19 @@ template, tool grammar and tool-call parser as chat; errors name the Messages bo
 
 - ``system``: a string or text blocks, the first message; ``messages``: ``user`` / ``assistant`` turns whose
   content is a string or blocks: ``text``; ``tool_use`` (assistant: a tool call, its ``input`` the arguments);
-  ``tool_result`` (user: a ``tool`` message answering the call ``tool_use_id``); ``thinking`` and
-  ``redacted_thinking`` (sent back by clients: accepted and dropped, never forwarded as text); ``image`` and
+  ``tool_result`` (user: a ``tool`` message answering the call ``tool_use_id``); ``thinking`` (sent back by
+  clients: the assistant turn's ``reasoning_content``, which the chat template renders or drops as the model was
+  trained: most keep only the thoughts after the last user turn), ``redacted_thinking`` (dropped); ``image`` and
   ``document`` are refused (the models served are text-only).
 - ``tools`` (``name`` / ``description`` / ``input_schema``; Anthropic's server tools are refused),
   ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none`` (``disable_parallel_tool_use``), ``stop_sequences``,
   ``max_tokens`` (required), ``temperature``, ``top_p`` (older SDKs send them), ``metadata.user_id`` (the chat
   request's ``user``), ``output_config.format`` (JSON outputs: chat's ``response_format``, the same grammar).
-- Accepted and changing nothing: ``thinking`` and ``output_config.effort`` (the models here do not think),
+- ``thinking`` (a reasoning model's, services/edge/reasoning.py): ``enabled`` with ``budget_tokens`` is the
+  engine's thought budget, ``disabled`` turns thinking off (``enable_thinking: false`` to the template),
+  ``adaptive`` leaves the thought unbounded; ``output_config.effort`` a budget (``EFFORT_BUDGETS``). A model
+  that does not think ignores both.
+- Accepted and changing nothing:
   ``service_tier``, ``speed``, ``inference_geo``, ``diagnostics``, ``user_profile_id``, ``workspace_id``,
   ``cache_control`` (top level and on blocks: the prefix cache is automatic), a tool's ``strict`` (tools are
   always grammar-enforced), ``eager_input_streaming``, ``input_examples``, ``defer_loading``,
@@ -92,7 +97,7 @@ class OutputFormat(Struct, forbid_unknown_fields=True):
 
 
 class OutputConfig(Struct, forbid_unknown_fields=True):
-    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # accepted: nothing here thinks
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # a thought budget (reasoning.py)
     format: OutputFormat | None = None
 
 
@@ -145,7 +150,8 @@ def translate(body: bytes, context: bytes = b"") -> Translated:
         model=req.model, messages=messages, max_tokens=req.max_tokens, stream=req.stream,
         temperature=req.temperature, top_p=req.top_p, stop=stop or None, tools=tools, tool_choice=choice,
         parallel_tool_calls=parallel, user=req.metadata.user_id if req.metadata else None,
-        response_format=_response_format(req.output_config.format if req.output_config else None))
+        response_format=_response_format(req.output_config.format if req.output_config else None),
+        **_reasoning(req))
     return Translated(chat, None, _Params(origins), tuple(dropped_tools(req)))
 
 
@@ -156,8 +162,30 @@ def translate_count(body: bytes, context: bytes = b"") -> Translated:
     tools, choice, parallel = _tools(req)
     output = req.output_config.format if req.output_config and req.output_config.format else req.output_format
     chat = ChatCompletionRequest(model=req.model, messages=messages, max_tokens=1, tools=tools, tool_choice=choice,
-                                 parallel_tool_calls=parallel, response_format=_response_format(output))
+                                 parallel_tool_calls=parallel, response_format=_response_format(output),
+                                 **_reasoning(req))
     return Translated(chat, None, _Params(origins), tuple(dropped_tools(req)))
+
+
+def _reasoning(req: _Body) -> dict[str, Any]:
+    """``thinking`` and ``output_config.effort`` as chat's reasoning fields (the module docstring)."""
+    out: dict[str, Any] = {}
+    thinking = req.thinking or {}
+    kind = thinking.get("type")
+    if kind == "enabled":
+        budget = thinking.get("budget_tokens")
+        if not isinstance(budget, int) or isinstance(budget, bool) or not 0 <= budget < 2**31:
+            raise InvalidRequest("thinking.budget_tokens: a whole number of tokens is required.",
+                                 "thinking.budget_tokens")
+        out["thinking_token_budget"] = budget
+    elif kind == "disabled":
+        out["chat_template_kwargs"] = {"enable_thinking": False}
+    elif kind not in (None, "adaptive"):
+        raise InvalidRequest(f"thinking.type: {kind!r} is not one of 'enabled', 'disabled', 'adaptive'.",
+                             "thinking.type")
+    if req.output_config is not None and req.output_config.effort is not None:
+        out["reasoning_effort"] = req.output_config.effort
+    return out
 
 
 def _response_format(output: OutputFormat | None) -> dict[str, Any] | None:
@@ -211,16 +239,19 @@ def _messages(req: _Body) -> tuple[list[ChatMessage], list[str]]:
 
 
 def _assistant(blocks: list[Any], where: str) -> ChatMessage:
-    texts, calls = [], []
+    texts, calls, thoughts = [], [], []
     for j, block in enumerate(blocks):
         if isinstance(block, TextBlock):
             texts.append(block.text)
         elif isinstance(block, ToolUseBlock):
             calls.append({"id": block.id, "type": "function",
                           "function": {"name": block.name, "arguments": msgspec.json.encode(block.input).decode()}})
-        elif not isinstance(block, ThinkingBlock | RedactedThinkingBlock):  # thinking is dropped, never text
+        elif isinstance(block, ThinkingBlock):  # the turn's thought: the template's to render or drop
+            thoughts.append(block.thinking)
+        elif not isinstance(block, RedactedThinkingBlock):  # redacted: nothing here can read it
             raise _unsupported(block, f"{where}[{j}]")
-    return ChatMessage("assistant", "".join(texts), tool_calls=calls or None)
+    return ChatMessage("assistant", "".join(texts), tool_calls=calls or None,
+                       reasoning_content="\n\n".join(thoughts) or None)
 
 
 def _user(blocks: list[Any], where: str) -> list[ChatMessage]:

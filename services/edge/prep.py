@@ -49,11 +49,13 @@ from services.edge.protocol import (
     validate_chat,
     validate_completion,
 )
+from services.edge.reasoning import EFFORT_BUDGETS, TAGS, ReasoningSetup, opens_thought, thought_budget
 from services.edge.tools import ToolLimits, ToolSpec, build_constraint
+from services.edge.tools.grammar import with_thought
 from services.edge.tools.render import render_messages
 from services.edge.tools.validate import remember_checked, schema_key
 from shared import errors
-from shared.schema import SamplingParams, Structured
+from shared.schema import SamplingParams, Structured, Thinking
 
 log = logging.getLogger("infermesh.edge")
 _RAW_NULL = msgspec.Raw(b"null")
@@ -101,6 +103,7 @@ class PrepJob:
     close_within: int = 0
     limits: ToolLimits = ToolLimits()
     context: bytes = b""  # what the endpoint's translation prepends to the body (a stored conversation)
+    reasoning: str = ""  # the model's reasoning parser (services/edge/reasoning.py; "": it does not think)
 
 
 # kind -> how its bodies (and a stored conversation, ``PrepJob.context``) become chat requests
@@ -125,6 +128,7 @@ class Prepared:
     tools: ToolSpec | None  # what the tool-call parser reads the output for; None: no parsing
     checked_schemas: tuple[bytes, ...] = ()  # schema keys that passed their meta-schema check
     extra: Any = None  # what the endpoint's translation keeps for its response's shape (picklable)
+    reasoning: ReasoningSetup | None = None  # a reasoning model's: how its response separates the thought
     ignored_tools: tuple[str, ...] = ()  # built-in tools left out of the prompt (x-infermesh-ignored-tools)
     prompt_cache_key: str | None = None  # OpenAI's: a session id candidate (services/edge/sessions.py)
 
@@ -155,13 +159,14 @@ def fit_max_tokens(max_tokens: int | None, num_prompt: int, max_len: int) -> int
 
 
 def engine_sampling(sampling: Sampling, num_prompt: int, max_len: int, stop_token_ids: list[int],
-                    structured: Structured | None = None) -> SamplingParams:
+                    structured: Structured | None = None, thinking: Thinking | None = None) -> SamplingParams:
     max_tokens = fit_max_tokens(sampling.max_tokens, num_prompt, max_len)
     ignore_eos = sampling.ignore_eos and structured is None
     return SamplingParams(  # ignore_eos (vLLM's, for benchmarks): max_tokens, past the model's stop tokens too
         max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
         stop_token_ids=[] if ignore_eos else stop_token_ids, presence_penalty=sampling.presence_penalty,
         frequency_penalty=sampling.frequency_penalty, ignore_eos=ignore_eos, structured=structured,
+        thinking=thinking,
     )
 
 
@@ -189,15 +194,62 @@ def prepare_chat(body: ChatCompletionRequest, job: PrepJob, tokenizer: Any) -> P
     if output.tools is not None or any("tool_calls" in m or m["role"] == "tool" for m in messages):
         messages = render_messages(messages, tools.tools if tools else (), job.tool_format)
     response_format = output.response_format if output.response_format.kind != "text" else None
+    template_kwargs = _template_kwargs(body, job.reasoning)
+    prompt_ids = tokenizer.chat_ids(messages, template_kwargs)
+    reasoning, thinking = _reasoning(body, job.reasoning, tokenizer, prompt_ids, template_kwargs)
     constraint = build_constraint(job.tool_format, tools, response_format)
+    if constraint is not None and reasoning is not None:  # a call or a JSON answer after a free thought
+        constraint = with_thought(constraint, *TAGS[reasoning.format], reasoning.inside)
     structured = None if constraint is None else Structured(constraint.kind, constraint.spec,  # type: ignore[arg-type]
                                                             job.close_within)
-    prompt_ids = tokenizer.chat_ids(messages)
-    params = engine_sampling(sampling, len(prompt_ids), job.max_model_len, tokenizer.stop_token_ids, structured)
+    params = engine_sampling(sampling, len(prompt_ids), job.max_model_len, tokenizer.stop_token_ids, structured,
+                             thinking)
     checked = tuple(schema_key(t.parameters) for t in output.tools.tools) if output.tools else ()
     if response_format is not None and response_format.schema is not None:
         checked += (schema_key(response_format.schema),)
-    return _prepared(body, prompt_ids, params, sampling, tools, checked)
+    prepared = _prepared(body, prompt_ids, params, sampling, tools, checked)
+    prepared.reasoning = reasoning
+    return prepared
+
+
+# chat_template_kwargs the edge sets itself: a request's own would change what the template is asked to do
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "conversation", "chat_template",
+                                      "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                                      "truncation", "max_length", "return_tensors", "return_dict",
+                                      "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def _template_kwargs(body: ChatCompletionRequest, fmt: str) -> dict[str, Any]:
+    """The request's ``chat_template_kwargs`` (vLLM's), and thinking turned off (``enable_thinking``, the switch
+    of Qwen3's and GLM's templates) where a reasoning model was asked not to think."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise InvalidRequest(f"chat_template_kwargs.{reserved[0]} is set by the server.",
+                             f"chat_template_kwargs.{reserved[0]}")
+    if body.reasoning_effort is not None and body.reasoning_effort not in EFFORT_BUDGETS:
+        raise InvalidRequest(f"reasoning_effort must be one of {', '.join(EFFORT_BUDGETS)}.", "reasoning_effort")
+    if fmt and "enable_thinking" not in kwargs and \
+            thought_budget(body.reasoning_effort, body.thinking_token_budget, None) == 0:
+        kwargs["enable_thinking"] = False
+    return kwargs
+
+
+def _reasoning(body: ChatCompletionRequest, fmt: str, tokenizer: Any, prompt_ids: Sequence[int],
+               template_kwargs: dict[str, Any]) -> tuple[ReasoningSetup | None, Thinking | None]:
+    """How the response separates a reasoning model's thought, and the engine's thought budget (None: unbounded)."""
+    if not fmt:
+        return None, None
+    start, end = TAGS[fmt]
+    tail = tokenizer.decode(list(prompt_ids[-16:]), skip_special_tokens=False)  # where the generation prompt ends
+    start_ids = tuple(tokenizer.encode(start, add_special_tokens=False))
+    end_ids = tuple(tokenizer.encode(end, add_special_tokens=False))
+    setup = ReasoningSetup(fmt, opens_thought(tail, start, end), start_ids, end_ids, body.include_reasoning)
+    enabled = template_kwargs.get("enable_thinking")
+    budget = thought_budget(body.reasoning_effort, body.thinking_token_budget,
+                            enabled if isinstance(enabled, bool) else None)
+    thinking = None if budget is None else Thinking(budget, list(end_ids), list(start_ids), setup.inside)
+    return setup, thinking
 
 
 def _prepare_translated(translated: Translated, job: PrepJob, tokenizer: Any) -> Prepared:

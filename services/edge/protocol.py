@@ -69,6 +69,10 @@ class ChatMessage(Struct):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    # an assistant turn's thought, sent back (DeepSeek's and older vLLM's name; current vLLM's ``reasoning``):
+    # handed to the chat template as ``reasoning_content``, which renders or drops it as the model was trained
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class StreamOptions(Struct):
@@ -108,7 +112,12 @@ class ChatCompletionRequest(_Common, kw_only=True):
     tool_choice: Any = None
     parallel_tool_calls: Any = None
     response_format: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: str | None = None  # a thought budget for reasoning models (services/edge/reasoning.py)
+    # vLLM's: extra chat template variables (``enable_thinking``), a thought budget in tokens, and whether the
+    # response shows the thought (False: only the answer)
+    chat_template_kwargs: dict[str, Any] | None = None
+    thinking_token_budget: Count | None = None
+    include_reasoning: bool = True
     verbosity: str | None = None
     modalities: list[str] | None = None
     top_logprobs: Count | None = None
@@ -283,6 +292,9 @@ def validate_chat(req: ChatCompletionRequest,
             normalized["tool_calls"] = message.tool_calls
         if message.tool_call_id is not None:
             normalized["tool_call_id"] = message.tool_call_id
+        thought = message.reasoning_content if message.reasoning_content is not None else message.reasoning
+        if message.role == "assistant" and thought:
+            normalized["reasoning_content"] = thought
         messages.append(normalized)
     return messages, sampling, output
 

@@ -34,7 +34,7 @@ from litestar.handlers import asgi
 from litestar.types import Receive, Scope, Send
 
 from services.edge import http
-from services.edge.api import EdgeApi
+from services.edge.api import EdgeApi, thinker
 from services.edge.http import HttpRequest, Reply
 from services.edge.prep import Peek
 from services.edge.shapes.responses import ResponsesShape
@@ -118,7 +118,7 @@ class ResponsesApi:
         def shape(request_id: str) -> ResponsesShape:
             keep = self._keeper(team, echo, request_id) if echo.get("store") else None
             return ResponsesShape(f"resp_{request_id}", prepared.model, parser(request_id[:16]) if parser else None,
-                                  echo, keep)
+                                  echo, keep, thinker(prepared))
 
         return await self.api.serve(request, "responses", prepared, tokenizer, shape)
 

@@ -8,8 +8,11 @@ template, tool grammar and tool-call parser as chat; errors name the Responses b
   ``assistant`` with ``output_text`` / ``refusal`` parts; ``id`` / ``status`` / ``phase`` accepted);
   ``function_call`` (an assistant tool call: consecutive ones, and an assistant message just before them, make one
   assistant message with several ``tool_calls``); ``function_call_output`` (a ``tool`` message answering
-  ``call_id``; ``output`` a string or ``input_text`` parts); ``reasoning`` (sent back by clients: accepted and
-  dropped, never forwarded as text).
+  ``call_id``; ``output`` a string or ``input_text`` parts); ``reasoning`` (sent back by clients: its
+  ``reasoning_text`` content becomes the next assistant turn's ``reasoning_content``, which the chat template
+  renders or drops as the model was trained; never forwarded as text).
+- ``reasoning.effort``: a reasoning model's thought budget (chat's ``reasoning_effort``, services/edge/reasoning.py;
+  ``none`` / ``minimal`` turn thinking off); ``reasoning.summary`` is accepted, no summary is made.
 - ``tools`` (``function`` tools: ``name`` / ``description`` / ``parameters``), ``tool_choice`` ``auto`` /
   ``none`` / ``required`` / ``{"type": "function", "name"}``, ``parallel_tool_calls``, ``max_output_tokens``,
   ``temperature``, ``top_p``, ``stream``, ``text.format`` ``text`` / ``json_object`` / ``json_schema`` (chat's
@@ -154,7 +157,7 @@ def translate(body: bytes, context: bytes = b"") -> Translated:
         temperature=req.temperature, top_p=req.top_p, tools=tools, tool_choice=choice,
         parallel_tool_calls=req.parallel_tool_calls, response_format=_response_format(fmt), user=req.user,
         metadata=req.metadata, service_tier=req.service_tier, safety_identifier=req.safety_identifier,
-        prompt_cache_key=req.prompt_cache_key)
+        prompt_cache_key=req.prompt_cache_key, reasoning_effort=_effort(req.reasoning))
     text = {"format": msgspec.to_builtins(fmt) if fmt else {"type": "text"}}
     if req.text and req.text.verbosity:
         text["verbosity"] = req.text.verbosity
@@ -166,6 +169,21 @@ def translate(body: bytes, context: bytes = b"") -> Translated:
              "truncation": req.truncation or "disabled", "input_items": items,
              "previous_response_id": req.previous_response_id}
     return Translated(chat, extra, _Params(origins, calls), tuple(dropped))
+
+
+def _effort(reasoning: dict[str, Any] | None) -> str | None:
+    """``reasoning.effort`` (validated as chat's ``reasoning_effort``)."""
+    effort = (reasoning or {}).get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise InvalidRequest("reasoning.effort must be a string.", "reasoning.effort")
+    return effort
+
+
+def _thought(item: dict[str, Any]) -> str:
+    """A reasoning item's text, sent back: its ``reasoning_text`` parts."""
+    parts = item.get("content") if isinstance(item.get("content"), list) else []
+    return "".join(p["text"] for p in parts if isinstance(p, dict) and p.get("type") == "reasoning_text"
+                   and isinstance(p.get("text"), str))
 
 
 def _response_format(fmt: Any) -> dict[str, Any] | None:
@@ -221,18 +239,21 @@ def _messages(instructions: str | None, items: list[dict[str, Any]],
         out.append(ChatMessage("system", instructions))
         origins.append("instructions")
     merge = False  # the last chat message is an assistant turn that the next function_call joins
+    thought = ""  # a reasoning item's text: the next assistant turn's thought
     for i, item in enumerate(items):
         where = f"input[{i - earlier}]" if i >= earlier else "previous_response_id"
         kind = item.get("type")
-        if kind == "reasoning":  # dropped, never text; a reasoning item between calls does not split them
+        if kind == "reasoning":  # never text; a reasoning item between calls does not split them
+            thought += _thought(item)
             continue
         if kind == "function_call":
             call = _convert(item, FunctionCallItem, where)
             tool_call = {"id": call.call_id, "type": "function",
                          "function": {"name": call.name, "arguments": call.arguments}}
             if not merge:
-                out.append(ChatMessage("assistant", ""))
+                out.append(ChatMessage("assistant", "", reasoning_content=thought or None))
                 origins.append(where)
+                thought = ""
             message = out[-1]
             message.tool_calls = [*(message.tool_calls or []), tool_call]
             calls.setdefault(len(out) - 1, []).append(where)
@@ -242,6 +263,8 @@ def _messages(instructions: str | None, items: list[dict[str, Any]],
             message = _convert(item, MessageItem, where)
             out.append(ChatMessage(message.role, _text(message.content, message.role, f"{where}.content")))
             merge = message.role == "assistant"
+            if merge and thought:
+                out[-1].reasoning_content, thought = thought, ""
         elif kind == "function_call_output":
             result = _convert(item, FunctionCallOutputItem, where)
             output = result.output if isinstance(result.output, str) else _text(result.output, "tool",

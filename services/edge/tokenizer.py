@@ -104,27 +104,29 @@ class ModelTokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         return self.prefix_tokens.encode(self.render(messages))
 
-    def chat_ids(self, messages: list[dict[str, Any]]) -> array:
-        """``apply_chat_template`` as a 4-byte array: what preparation hands on (``prep.crossed``)."""
-        return self.prefix_tokens.encode_ids(self.render(messages))
+    def chat_ids(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None) -> array:
+        """``apply_chat_template`` as a 4-byte array: what preparation hands on (``prep.crossed``).
+        ``template_kwargs``: the request's ``chat_template_kwargs`` (``enable_thinking``...)."""
+        return self.prefix_tokens.encode_ids(self.render(messages, template_kwargs))
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
+    def render(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None) -> str:
         """The prompt text; a system (or developer) message after the first turn is rendered in place where the
         template places it, else merged into the leading system turn (``merge_system``): where the template raises
         on it or leaves its text out."""
+        kwargs = template_kwargs or {}
         if not any(m["role"] == "developer" or (i and m["role"] == "system") for i, m in enumerate(messages)):
-            return self._render(messages)
+            return self._render(messages, kwargs)
         try:
-            text = self._render(messages)
+            text = self._render(messages, kwargs)
         except Exception:  # justified: a template that refuses a non-leading system turn (raise_exception)
-            return self._render(merge_system(messages))
+            return self._render(merge_system(messages), kwargs)
         if all(m["content"].strip() in text for m in messages if m["role"] in SYSTEM_ROLES):
             return text
-        return self._render(merge_system(messages))  # the template dropped it silently
+        return self._render(merge_system(messages), kwargs)  # the template dropped it silently
 
-    def _render(self, messages: list[dict[str, Any]]) -> str:
+    def _render(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                           chat_template=self.chat_template)
+                                           chat_template=self.chat_template, **kwargs)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         fast = getattr(self.hf, "_tokenizer", None)  # the Rust tokenizer: skips transformers' per-call overhead

@@ -96,7 +96,7 @@ def test_sampling_fields_map_to_their_chat_names():
                           stream_options={"include_obfuscation": False}, background=False)).body
     assert (chat.max_tokens, chat.stream, chat.temperature, chat.top_p, chat.user, chat.metadata, chat.stop) == (
         9, True, 1.5, 0.9, "u-7", {"k": "v"}, None)
-    assert chat.reasoning_effort is None and chat.response_format is None
+    assert chat.reasoning_effort == "low" and chat.response_format is None  # a thought budget (reasoning.py)
 
 
 def test_tools_and_every_tool_choice():

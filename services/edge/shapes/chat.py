@@ -6,18 +6,25 @@ import time
 from typing import Any
 
 from services.edge.attempt import Usage
+from services.edge.reasoning import ReasoningParser, ThoughtDelta
 from services.edge.shapes import sse_data
+from services.edge.shapes.output import Output
 from services.edge.tools import ContentDelta, ToolCallParser
 from shared import errors
 
 
-def openai_usage(done: Usage) -> dict[str, Any]:
-    return {
+def openai_usage(done: Usage, reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """Chat's usage; ``reasoning_tokens`` (a reasoning model's thought, None: the model does not think) in
+    ``completion_tokens_details`` as OpenAI reports it."""
+    usage: dict[str, Any] = {
         "prompt_tokens": done.prompt_tokens,
         "completion_tokens": done.completion_tokens,
         "total_tokens": done.prompt_tokens + done.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
     }
+    if reasoning_tokens is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return usage
 
 
 class ChatShape:
@@ -25,37 +32,43 @@ class ChatShape:
 
     With tools, the model's text goes through the tool-call parser, the same way streamed or not: a
     streamed response sends its deltas (content, or a tool call's id + name, then arguments pieces),
-    a whole one their concatenation, so the two always agree (truncated calls included). The opening
-    chunk rides with the first text and the closing ones with [DONE] (fewer writes)."""
+    a whole one their concatenation, so the two always agree (truncated calls included). A reasoning model's
+    thought (``thinker``) comes apart as ``reasoning_content`` (and ``reasoning``, current vLLM's name). The
+    opening chunk rides with the first text and the closing ones with [DONE] (fewer writes)."""
 
     def __init__(self, kind: str, response_id: str, model: str, parser: ToolCallParser | None = None,
-                 include_usage: bool = False) -> None:
+                 include_usage: bool = False, thinker: ReasoningParser | None = None) -> None:
         self.kind = kind
         self.id = response_id
         self.model = model
         self.created = int(time.time())
         self.parser = parser
         self.include_usage = include_usage
+        self.output = Output(parser, thinker if kind == "chat" else None)
+
+    def _usage(self, done: Usage) -> dict[str, Any]:
+        return openai_usage(done, self.output.reasoning_tokens if self.output.thinker is not None else None)
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     async def full(self, parts: list[str], done: Usage) -> dict[str, Any]:
-        text = "".join(parts)
         if self.kind == "chat":
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            finish_reason = done.finish_reason
-            if self.parser is not None:
-                for part in parts:  # the same deltas a stream would have fed
-                    self.parser.feed(part)
-                _, result = self.parser.finish(done.finish_reason)
-                message = {"role": "assistant", "content": result.content}
+            pieces = [piece for part in parts for piece in self.output.feed(part)]  # as a stream would feed them
+            last, result, finish_reason = self.output.finish(done.finish_reason)
+            pieces += last
+            if result is not None:
+                message: dict[str, Any] = {"role": "assistant", "content": result.content}
                 if result.tool_calls:
                     message["tool_calls"] = result.tool_calls
-                finish_reason = result.finish_reason
+            else:
+                message = {"role": "assistant", "content": "".join(p.text for p in pieces
+                                                                   if isinstance(p, ContentDelta))}
+            if self.output.thought is not None:
+                message["reasoning_content"] = message["reasoning"] = self.output.thought
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
-            return {**self._head("chat.completion"), "choices": [choice], "usage": openai_usage(done)}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason}
+            return {**self._head("chat.completion"), "choices": [choice], "usage": self._usage(done)}
+        choice = {"index": 0, "text": "".join(parts), "logprobs": None, "finish_reason": done.finish_reason}
         return {**self._head("text_completion"), "choices": [choice], "usage": openai_usage(done)}
 
     def chunk(self, text: str | None, finish_reason: str | None, first: bool = False) -> dict[str, Any]:
@@ -77,16 +90,16 @@ class ChatShape:
 
     def text(self, delta: str) -> bytes:
         """SSE events for a text delta: as it is, or what the tool-call parser makes of it (maybe nothing yet)."""
-        if self.parser is None:
+        if self.kind != "chat":
             return sse_data(self.chunk(delta, None))
-        return self._delta_events(self.parser.feed(delta))
+        return self._delta_events(self.output.feed(delta))
 
     async def closing(self, done: Usage) -> bytes:
-        if self.parser is None:
+        if self.kind != "chat":
             out = sse_data(self.chunk(None, done.finish_reason))
         else:
-            deltas, result = self.parser.finish(done.finish_reason)
-            out = self._delta_events(deltas) + sse_data(self.chunk(None, result.finish_reason))
+            pieces, _, finish_reason = self.output.finish(done.finish_reason)
+            out = self._delta_events(pieces) + sse_data(self.chunk(None, finish_reason))
         if self.include_usage:
             out += sse_data(self.usage_chunk(done))
         return out + b"data: [DONE]\n\n"
@@ -99,6 +112,10 @@ class ChatShape:
         for delta in deltas:
             if isinstance(delta, ContentDelta):
                 out.append(sse_data(self.chunk(delta.text, None)))
+            elif isinstance(delta, ThoughtDelta):
+                chunk = self.chunk(None, None)
+                chunk["choices"][0]["delta"] = {"reasoning_content": delta.text, "reasoning": delta.text}
+                out.append(sse_data(chunk))
             else:
                 chunk = self.chunk(None, None)
                 chunk["choices"][0]["delta"] = {"tool_calls": [delta.to_openai()]}
@@ -107,4 +124,4 @@ class ChatShape:
 
     def usage_chunk(self, done: Usage) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": openai_usage(done)}
+        return {**self._head(obj), "choices": [], "usage": self._usage(done)}

@@ -6,21 +6,29 @@ A stream is ``message_start``, ``ping``, then per content block ``content_block_
 ``error`` event. Both forms are built by one ``_Blocks`` collector from the same deltas (the tool-call
 parser's, with tools), so a whole response always equals its stream.
 
+A reasoning model's thought is a ``thinking`` block first (``thinking_delta`` events, then one ``signature_delta``
+before its ``content_block_stop``, as Anthropic sends them). Its ``signature`` is a digest of the thought: the
+SDKs and Claude Code keep it and send the block back in later turns, where it is accepted (messages_body.py); it
+proves nothing (no secret is involved), a model here keeps no hidden thought to restore from it.
+
 Usage follows Anthropic's meaning: ``input_tokens`` are the prompt tokens *not* read from the prefix cache,
 ``cache_read_input_tokens`` the ones that were (the cache fills by itself: nothing is a cache write).
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 from typing import Any
 
 import msgspec
 
 from services.edge.attempt import Usage
+from services.edge.reasoning import ReasoningParser, ThoughtDelta
 from services.edge.shapes import sse_event
+from services.edge.shapes.output import Output, Piece
 from services.edge.tools import ContentDelta, ToolCallParser
-from services.edge.tools.parser import Delta
 from shared import errors
 
 _json = msgspec.json.Encoder()
@@ -71,7 +79,14 @@ class _Blocks:
         self.blocks: list[dict[str, Any]] = []  # text blocks' text and tool_use blocks' raw arguments, so far
         self.open = False
 
-    def add(self, delta: Delta) -> bytes:
+    def add(self, delta: Piece) -> bytes:
+        if isinstance(delta, ThoughtDelta):
+            if not delta.text:
+                return b""
+            thinking = self.open and self.blocks[-1]["type"] == "thinking"
+            out = b"" if thinking else self._start({"type": "thinking", "thinking": "", "signature": ""})
+            self.blocks[-1]["thinking"] += delta.text
+            return out + self._delta({"type": "thinking_delta", "thinking": delta.text})
         if isinstance(delta, ContentDelta):
             if not delta.text:
                 return b""
@@ -91,7 +106,12 @@ class _Blocks:
         if not self.open:
             return b""
         self.open = False
-        return sse_event("content_block_stop", {"type": "content_block_stop", "index": len(self.blocks) - 1})
+        out = b""
+        block = self.blocks[-1]
+        if block["type"] == "thinking":
+            block["signature"] = thought_signature(block["thinking"])
+            out = self._delta({"type": "signature_delta", "signature": block["signature"]})
+        return out + sse_event("content_block_stop", {"type": "content_block_stop", "index": len(self.blocks) - 1})
 
     def content(self) -> list[dict[str, Any]]:
         """The blocks as a message's ``content``: a tool call's ``input`` is its arguments' object ({} if cut)."""
@@ -115,6 +135,11 @@ class _Blocks:
                                                  "delta": delta})
 
 
+def thought_signature(thinking: str) -> str:
+    """A thinking block's ``signature``: a digest of its text (see the module docstring)."""
+    return base64.b64encode(hashlib.sha256(thinking.encode()).digest()).decode()
+
+
 def _input(arguments: str) -> Any:
     try:
         value = json.loads(arguments) if arguments else {}
@@ -126,26 +151,26 @@ def _input(arguments: str) -> Any:
 class MessagesShape:
     """``message`` (whole) or the Messages event stream, for one request of ``input_tokens`` prompt tokens."""
 
-    def __init__(self, response_id: str, model: str, parser: ToolCallParser | None, input_tokens: int) -> None:
+    def __init__(self, response_id: str, model: str, parser: ToolCallParser | None, input_tokens: int,
+                 thinker: ReasoningParser | None = None) -> None:
         self.id = response_id
         self.model = model
         self.parser = parser
         self.input_tokens = input_tokens
         self.blocks = _Blocks()
+        self.output = Output(parser, thinker)
 
     def _message(self, content: list[dict[str, Any]], reason: str | None, stop: str | None,
                  usage: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
                 "stop_reason": reason, "stop_sequence": stop, "usage": usage}
 
-    def _deltas(self, text: str) -> list[Delta]:
-        return self.parser.feed(text) if self.parser is not None else [ContentDelta(text)]
+    def _deltas(self, text: str) -> list[Piece]:
+        return self.output.feed(text)
 
-    def _finish(self, done: Usage) -> tuple[list[Delta], str]:
-        if self.parser is None:
-            return [], done.finish_reason
-        deltas, result = self.parser.finish(done.finish_reason)
-        return deltas, result.finish_reason
+    def _finish(self, done: Usage) -> tuple[list[Piece], str]:
+        pieces, _, finish_reason = self.output.finish(done.finish_reason)
+        return pieces, finish_reason
 
     def opening(self) -> bytes:
         usage = {"input_tokens": self.input_tokens, "output_tokens": 0, "cache_read_input_tokens": 0,

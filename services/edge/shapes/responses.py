@@ -4,7 +4,10 @@ A stream is ``response.created``, ``response.in_progress``, then per output item
 for a message ``response.content_part.added`` / ``response.output_text.delta`` / ``response.output_text.done``
 / ``response.content_part.done``, for a function call ``response.function_call_arguments.delta`` /
 ``.done``, then ``response.output_item.done``; it ends with ``response.completed``, or ``response.incomplete``
-(``max_output_tokens``) when the output was cut. Every event carries its ``sequence_number``. A run failing
+(``max_output_tokens``) when the output was cut. A reasoning model's thought is a ``reasoning`` item first, its
+text one ``reasoning_text`` content part (``response.content_part.added``, ``response.reasoning_text.delta`` /
+``.done``, ``response.content_part.done``); no summary is made (``summary`` stays []). Every event carries its
+``sequence_number``. A run failing
 mid-stream ends with an ``error`` event and ``response.failed``. A response to be stored is stored before its
 ``response.completed`` / ``.incomplete`` (the whole response: before it is sent), so its id can be continued
 (``previous_response_id``) as soon as the client has it. Both forms come from one ``_Items``
@@ -17,9 +20,10 @@ import time
 from typing import Any, Awaitable, Callable
 
 from services.edge.attempt import Usage
+from services.edge.reasoning import ReasoningParser, ThoughtDelta
 from services.edge.shapes import sse_event
+from services.edge.shapes.output import Output, Piece
 from services.edge.tools import ContentDelta, ToolCallParser
-from services.edge.tools.parser import Delta
 from shared import errors
 
 ECHOED = ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls", "previous_response_id",
@@ -27,10 +31,10 @@ ECHOED = ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls"
 Keep = Callable[[dict[str, Any]], Awaitable[bool]]  # stores a finished response: whether it was stored
 
 
-def responses_usage(done: Usage) -> dict[str, Any]:
+def responses_usage(done: Usage, reasoning_tokens: int = 0) -> dict[str, Any]:
     return {"input_tokens": done.prompt_tokens,
             "input_tokens_details": {"cached_tokens": done.cached_tokens, "cache_write_tokens": 0},
-            "output_tokens": done.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": done.completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": done.prompt_tokens + done.completion_tokens}
 
 
@@ -49,7 +53,14 @@ class _Items:
         self.sequence += 1
         return out
 
-    def add(self, delta: Delta) -> bytes:
+    def add(self, delta: Piece) -> bytes:
+        if isinstance(delta, ThoughtDelta):
+            if not delta.text:
+                return b""
+            out = b"" if self.open and self.items[-1]["type"] == "reasoning" else self._start_reasoning()
+            self.items[-1]["content"][0]["text"] += delta.text
+            return out + self.event("response.reasoning_text.delta", {**self._where(), "content_index": 0,
+                                                                     "delta": delta.text})
         if isinstance(delta, ContentDelta):
             if not delta.text:
                 return b""
@@ -78,6 +89,11 @@ class _Items:
             out = self.event("response.output_text.done", {**self._where(), "content_index": 0, "text": part["text"],
                                                            "logprobs": []})
             out += self.event("response.content_part.done", {**self._where(), "content_index": 0, "part": part})
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            out = self.event("response.reasoning_text.done", {**self._where(), "content_index": 0,
+                                                              "text": part["text"]})
+            out += self.event("response.content_part.done", {**self._where(), "content_index": 0, "part": part})
         else:
             out = self.event("response.function_call_arguments.done", {**self._where(), "name": item["name"],
                                                                        "arguments": item["arguments"]})
@@ -87,6 +103,14 @@ class _Items:
         out = self._start({"id": f"msg_{self.key}_{len(self.items)}", "type": "message", "status": "in_progress",
                            "role": "assistant", "content": []})
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        self.items[-1]["content"].append(part)
+        return out + self.event("response.content_part.added", {**self._where(), "content_index": 0,
+                                                               "part": dict(part)})
+
+    def _start_reasoning(self) -> bytes:
+        out = self._start({"id": f"rs_{self.key}_{len(self.items)}", "type": "reasoning", "status": "in_progress",
+                           "summary": [], "content": [], "encrypted_content": None})
+        part = {"type": "reasoning_text", "text": ""}
         self.items[-1]["content"].append(part)
         return out + self.event("response.content_part.added", {**self._where(), "content_index": 0,
                                                                "part": dict(part)})
@@ -106,7 +130,7 @@ class ResponsesShape:
     ``keep``: stores the finished response (``store``), awaited before the last event is sent."""
 
     def __init__(self, response_id: str, model: str, parser: ToolCallParser | None, echo: dict[str, Any],
-                 keep: Keep | None = None) -> None:
+                 keep: Keep | None = None, thinker: ReasoningParser | None = None) -> None:
         self.id = response_id
         self.keep = keep
         self.model = model
@@ -114,6 +138,7 @@ class ResponsesShape:
         self.echo = echo
         self.created_at = int(time.time())
         self.items = _Items(response_id)
+        self.output = Output(parser, thinker)
 
     def _response(self, status: str, done: Usage | None = None, error: dict[str, Any] | None = None,
                   cut: bool = False) -> dict[str, Any]:
@@ -122,14 +147,14 @@ class ResponsesShape:
                 "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "model": self.model,
                 "output": [dict(item) for item in self.items.items],
                 "reasoning": {"effort": None, "summary": None}, "store": self.keep is not None, "background": False,
-                "usage": responses_usage(done) if done is not None else None,
+                "usage": responses_usage(done, self.output.reasoning_tokens) if done is not None else None,
                 **{key: self.echo.get(key) for key in ECHOED}}
 
-    def _deltas(self, text: str) -> list[Delta]:
-        return self.parser.feed(text) if self.parser is not None else [ContentDelta(text)]
+    def _deltas(self, text: str) -> list[Piece]:
+        return self.output.feed(text)
 
-    def _finish(self, done: Usage) -> list[Delta]:
-        return self.parser.finish(done.finish_reason)[0] if self.parser is not None else []
+    def _finish(self, done: Usage) -> list[Piece]:
+        return self.output.finish(done.finish_reason)[0]
 
     def opening(self) -> bytes:
         head = self._response("in_progress")

@@ -30,6 +30,11 @@ ASCII: the grammar accepts raw unicode, ``<``, ``&`` and JSON escapes alike, and
 with ``ensure_ascii=False``. For ``json_schema`` the worker chooses the compile options; we recommend
 ``JSON_SCHEMA_COMPILE_OPTIONS`` (any whitespace, bounded the same way).
 
+A reasoning model's thought comes before all of this (``with_thought``): the grammar starts with a free-text
+thought up to ``</think>`` (its ``<think>`` too when the prompt did not write it, then the thought is optional),
+so a call or a JSON answer after a thought is still enforced, and a ``<tool_call>`` inside the thought is not a
+call. The engine's thought budget closes it by writing ``</think>``, which this grammar allows there.
+
 Specs are cached: the same (format, tools, choice, parallel) returns the same ``Constraint`` object, so
 the spec string (and its hash, by which the worker caches compiled grammars) is computed once.
 """
@@ -132,6 +137,31 @@ def _response_constraint(response_format: ResponseFormat, cache: ConstraintCache
     key = _key("json_schema", response_format.schema)
     return cache.get_or_build(key, lambda: Constraint("json_schema", _dumps(grammar_schema(response_format.schema)),
                                                       key))
+
+
+def with_thought(constraint: Constraint, start: str, end: str, inside: bool,
+                 cache: ConstraintCache | None = None) -> Constraint:
+    """``constraint`` after a reasoning model's thought (the module docstring): a structural tag whose format is
+    the thought, then what ``constraint`` allows (a JSON answer becomes a structural tag's JSON element)."""
+    cache = _cache if cache is None else cache
+    key = _key("thought", constraint.key, start, end, inside)
+
+    def build() -> Constraint:
+        thought: dict[str, Any] = {"type": "tag", "begin": "" if inside else start,
+                                   "content": {"type": "any_text"}, "end": end}
+        if not inside:  # the model may answer without thinking
+            thought = {"type": "optional", "content": thought}
+        if constraint.kind == "structural_tag":
+            spec = json.loads(constraint.spec)
+            answer = spec["format"]
+        else:
+            schema = json.loads(constraint.spec) if constraint.kind == "json_schema" else {"type": "object"}
+            spec = {"type": "structural_tag"}
+            answer = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE}
+        spec["format"] = {"type": "sequence", "elements": [thought, answer]}
+        return Constraint("structural_tag", _dumps(spec), key)
+
+    return cache.get_or_build(key, build)
 
 
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
