@@ -150,7 +150,9 @@ async def test_bearer_auth_and_claude_codes_session_header(mesh, span_exporter):
     assert reply.usage.output_tokens == 3
     await eventually(lambda: any(s.name == "chat tiny" for s in span_exporter.get_finished_spans()), 2)
     edge = next(s for s in span_exporter.get_finished_spans() if s.name == "chat tiny")
-    assert edge.attributes["infermesh.session_id"] == "cc-session-1"
+    assert edge.attributes["infermesh.session_id"] == edge.attributes["session.id"] == "cc-session-1"
+    route = next(s for s in span_exporter.get_finished_spans() if s.name == "router.route")
+    assert route.attributes["session.id"] == "cc-session-1"
     assert edge.attributes["url.path"] == "/v1/messages"
 
 

@@ -8,7 +8,7 @@ import time
 import msgspec
 import pytest
 
-from services.edge.orphans import OrphanBiller, orphan_usage_event, sign
+from services.edge.orphans import OrphanBiller, orphan_usage_event, sign, verify
 from services.worker.config import WorkerConfig
 from services.worker.service import WorkerService
 from shared import schema
@@ -31,7 +31,7 @@ from tests.utils import eventually
 pytestmark = pytest.mark.integration
 SECRET = b"k" * 32
 CONTEXT = BillingContext(request_id="req1", attempt=0, team="alpha", key_prefix="im-AbCd", model="sim-model",
-                         request_class="interactive", worker_id="w-orph", created_at=time.time())
+                         request_class="interactive", worker_id="w-orph", created_at=time.time(), trajectory="run-7")
 
 
 @pytest.fixture
@@ -110,8 +110,9 @@ async def test_a_request_that_ended_just_before_its_edge_died_is_reported_for_bi
     await eventually(lambda: worker.orphans.stats["reported"] == 1, 1 + 0.5 + 3)
     (report,) = await orphan_reports(bus)
     assert (report.request_id, report.finish_reason, report.num_output_tokens) == ("req1", "length", 5)
-    event = orphan_usage_event(report, CONTEXT)
+    event = orphan_usage_event(report, verify(SECRET, report.request_id, report.billing))  # as the worker echoed it
     assert (event.status, event.finish_reason, event.completion_tokens) == ("finished", "length", 5)
+    assert event.trajectory == "run-7"  # an orphan's usage is in its agent run's trajectory too
     await receiver.stop()
 
 
