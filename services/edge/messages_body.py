@@ -33,7 +33,15 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from services.edge.protocol import ChatCompletionRequest, ChatMessage, InvalidRequest, Translated, parse_body
+from services.edge.api_fields import COUNT_TOKENS, MESSAGES, check_refused, request_struct
+from services.edge.protocol import (
+    ANTHROPIC_UNKNOWN,
+    ChatCompletionRequest,
+    ChatMessage,
+    InvalidRequest,
+    Translated,
+    parse_body,
+)
 
 Temperature = Annotated[float, Meta(ge=0.0, le=1.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
@@ -116,11 +124,11 @@ class _Body(Struct, kw_only=True, forbid_unknown_fields=True):
     workspace_id: str | None = None
 
 
-class CountTokensRequest(_Body, kw_only=True):
+class _CountFields(_Body, kw_only=True):
     output_format: OutputFormat | None = None  # the SDK's older name for output_config.format
 
 
-class MessagesRequest(_Body, kw_only=True):
+class _MessagesFields(_Body, kw_only=True):
     max_tokens: MaxTokens
     stream: bool = False
     stop_sequences: list[str] | None = None
@@ -129,18 +137,19 @@ class MessagesRequest(_Body, kw_only=True):
     top_k: int | None = None
     metadata: Metadata | None = None
     service_tier: str | None = None
-    container: Any = None  # refused when set: no code execution here
     diagnostics: dict[str, Any] | None = None
     inference_geo: str | None = None
 
 
+# the bodies as parsed: the typed fields above and every other field the endpoint's table accepts (api_fields.py)
+CountTokensRequest = request_struct(_CountFields, COUNT_TOKENS, "CountTokensRequest")
+MessagesRequest = request_struct(_MessagesFields, MESSAGES, "MessagesRequest")
+
+
 def translate(body: bytes, context: bytes = b"") -> Translated:
     """A ``/v1/messages`` body as a chat request."""
-    req = parse_body(body, MessagesRequest)
-    if req.top_k is not None:
-        raise InvalidRequest("top_k is not supported.", "top_k")
-    if req.container is not None:
-        raise InvalidRequest("container is not supported: no code execution tool runs here.", "container")
+    req = parse_body(body, MessagesRequest, ANTHROPIC_UNKNOWN)
+    check_refused(req, MESSAGES, InvalidRequest)
     stop = list(req.stop_sequences or [])
     if len(stop) > MAX_STOP_SEQUENCES:
         raise InvalidRequest(f"At most {MAX_STOP_SEQUENCES} stop_sequences are supported.", "stop_sequences")
@@ -157,7 +166,8 @@ def translate(body: bytes, context: bytes = b"") -> Translated:
 
 def translate_count(body: bytes, context: bytes = b"") -> Translated:
     """A ``/v1/messages/count_tokens`` body as the chat request whose prompt it counts."""
-    req = parse_body(body, CountTokensRequest)
+    req = parse_body(body, CountTokensRequest, ANTHROPIC_UNKNOWN)
+    check_refused(req, COUNT_TOKENS, InvalidRequest)
     messages, origins = _messages(req)
     tools, choice, parallel = _tools(req)
     output = req.output_config.format if req.output_config and req.output_config.format else req.output_format
@@ -311,8 +321,10 @@ _TOOL_KEYS = {"type", "name", "description", "input_schema", "cache_control", "s
 
 
 def dropped_tools(req: _Body) -> list[str]:
-    """The types of the tools left out of the prompt (Anthropic's own: none runs here)."""
-    return [tool["type"] for tool in req.tools or () if _is_built_in(tool)]
+    """The types of the tools left out of the prompt (Anthropic's own: none runs here), and ``mcp_servers`` when
+    it names servers (none is called here)."""
+    return [tool["type"] for tool in req.tools or () if _is_built_in(tool)] + ["mcp_servers"] * bool(
+        getattr(req, "mcp_servers", None))
 
 
 def _is_built_in(tool: Any) -> bool:

@@ -1,17 +1,10 @@
 """OpenAI request bodies (msgspec Structs) and their validation into one normalized form.
 
 Decoding errors become ``InvalidRequest`` naming the offending param, so the edge
-can answer an OpenAI-shaped 400. Parameters infermesh does not implement yet are
-rejected loudly rather than silently ignored, and so is any top-level field the edge
-does not know (``Unrecognized request argument supplied: logit_bias``, as OpenAI).
-
-Accepted top-level fields, besides what the edge implements:
-
-- OpenAI's that change nothing here (platform bookkeeping and hints): ``metadata``, ``store``,
-  ``service_tier``, ``safety_identifier``, ``prompt_cache_key``, ``prompt_cache_retention``,
-  ``prompt_cache_options``, ``reasoning_effort``, ``verbosity``, ``modalities`` (``["text"]`` only),
-  ``top_logprobs`` (0 only), ``best_of`` (1 only, completions);
-- vLLM's extensions: ``ignore_eos``, ``cache_salt``.
+can answer an OpenAI-shaped 400. Which top-level fields are accepted, and which of them are honored, ignored or
+refused, is api_fields.py's tables (``CHAT``, ``COMPLETIONS``): the typed structs below declare what the edge
+reads, ``request_struct`` adds the table's other fields, ``check_refused`` answers the refused ones. A field in no
+table is ``Unrecognized request argument supplied: X``, as OpenAI answers it.
 
 Nested objects (messages, content parts, stream_options) keep unknown fields: clients send back
 what the SDK gave them (``refusal``, ``annotations``, ``include_obfuscation``). Numbers are bounded
@@ -29,6 +22,7 @@ from typing import Annotated, Any, Callable, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from services.edge.api_fields import CHAT, COMPLETIONS, Table, check_refused, request_struct
 from services.edge.tools import (
     ResponseFormat,
     ToolLimits,
@@ -95,7 +89,7 @@ class _Common(Struct, kw_only=True, forbid_unknown_fields=True):
     logprobs: bool | int | None = None
     ignore_eos: bool = False  # vLLM's extension (extra_body): generate max_tokens, for benchmarks
     cache_salt: str | None = None  # vLLM's extension: prefix cache shared only by requests with the same salt
-    # OpenAI's, accepted with no effect here (see the module docstring)
+    # OpenAI's, accepted with no effect here (api_fields.py says why)
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
@@ -105,7 +99,7 @@ class _Common(Struct, kw_only=True, forbid_unknown_fields=True):
     prompt_cache_options: dict[str, str | int | float | bool | None] | None = None
 
 
-class ChatCompletionRequest(_Common, kw_only=True):
+class _ChatFields(_Common, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: PositiveInt | None = None
     tools: list[dict[str, Any]] | None = None
@@ -123,11 +117,16 @@ class ChatCompletionRequest(_Common, kw_only=True):
     top_logprobs: Count | None = None
 
 
-class CompletionRequest(_Common, kw_only=True):
+class _CompletionFields(_Common, kw_only=True):
     prompt: str | list[Any]  # str, [str], [int] (token ids) or [[int]]
     echo: bool = False
     suffix: str | None = None
     best_of: PositiveInt | None = None
+
+
+# the bodies as parsed: the typed fields above and every other field the endpoint's table accepts
+ChatCompletionRequest = request_struct(_ChatFields, CHAT, "ChatCompletionRequest")
+CompletionRequest = request_struct(_CompletionFields, COMPLETIONS, "CompletionRequest")
 
 
 @dataclass(slots=True)
@@ -173,9 +172,12 @@ def _param_of(error: msgspec.ValidationError) -> str | None:
 
 
 _UNKNOWN = re.compile(r"^Object contains unknown field `(.+?)`$")
+OPENAI_UNKNOWN = "Unrecognized request argument supplied: {}"
+ANTHROPIC_UNKNOWN = "{}: Extra inputs are not permitted"
 
 
-def parse_body(body: bytes, kind: type[Struct]) -> Any:
+def parse_body(body: bytes, kind: type[Struct], unknown_field: str = OPENAI_UNKNOWN) -> Any:
+    """``body`` decoded as ``kind``; a top-level field ``kind`` does not know is a 400 in ``unknown_field``'s words."""
     if not body:
         raise InvalidRequest("The request body is empty; expected a JSON object.")
     try:
@@ -183,7 +185,7 @@ def parse_body(body: bytes, kind: type[Struct]) -> Any:
     except msgspec.ValidationError as exc:
         unknown = _UNKNOWN.match(str(exc))
         if unknown:  # only the top level forbids unknown fields, so the name is the param
-            raise InvalidRequest(f"Unrecognized request argument supplied: {unknown.group(1)}", param=unknown.group(1),
+            raise InvalidRequest(unknown_field.format(unknown.group(1)), param=unknown.group(1),
                                  code="unrecognized_argument") from None
         raise InvalidRequest(f"Invalid request: {exc}", param=_param_of(exc)) from exc
     except msgspec.DecodeError as exc:
@@ -222,11 +224,8 @@ def nested_field(body: bytes, limit: int = MAX_NESTING) -> str | None:
     return None
 
 
-def _check_common(req: _Common) -> Sampling:
-    if req.n != 1:
-        raise InvalidRequest("Only n=1 is supported.", param="n")
-    if req.logprobs:
-        raise InvalidRequest("logprobs are not supported yet.", param="logprobs")
+def _check_common(req: _Common, table: Table) -> Sampling:
+    check_refused(req, table, InvalidRequest)
     if req.metadata is not None and len(req.metadata) > 16:
         raise InvalidRequest("metadata may hold at most 16 pairs.", param="metadata")
     if req.stream_options is not None and not req.stream:
@@ -261,15 +260,11 @@ def validate_chat(req: ChatCompletionRequest,
                   limits: ToolLimits = ToolLimits()) -> tuple[list[dict[str, Any]], Sampling, ChatOutput]:
     """Normalized messages (content as plain text; assistant ``tool_calls`` and ``tool_call_id`` kept),
     sampling options, and the tools / response format (each validated: a bad one is a 400 naming it)."""
-    sampling = _check_common(req)
+    sampling = _check_common(req, CHAT)
     if req.max_completion_tokens is not None:
         sampling.max_tokens = req.max_completion_tokens
     if not req.messages:
         raise InvalidRequest("'messages' must contain at least one message.", param="messages")
-    if req.top_logprobs:
-        raise InvalidRequest("top_logprobs is not supported yet.", param="top_logprobs")
-    if req.modalities is not None and req.modalities != ["text"]:
-        raise InvalidRequest("Only the 'text' modality is supported.", param="modalities")
     try:
         output = ChatOutput(validate_tools(req.tools, req.tool_choice, req.parallel_tool_calls, limits),
                             validate_response_format(req.response_format, limits))
@@ -300,15 +295,9 @@ def validate_chat(req: ChatCompletionRequest,
 
 
 def validate_completion(req: CompletionRequest) -> tuple[str | list[int], Sampling]:
-    sampling = _check_common(req)
+    sampling = _check_common(req, COMPLETIONS)
     if sampling.max_tokens is None:
         sampling.max_tokens = 16  # OpenAI's default for /v1/completions
-    if req.echo:
-        raise InvalidRequest("echo is not supported yet.", param="echo")
-    if req.suffix:
-        raise InvalidRequest("suffix is not supported.", param="suffix")
-    if req.best_of is not None and req.best_of != 1:
-        raise InvalidRequest("Only best_of=1 is supported.", param="best_of")
     prompt = req.prompt
     if isinstance(prompt, list):
         if len(prompt) == 0:

@@ -37,6 +37,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from services.edge.api_fields import RESPONSES, check_refused, request_struct
 from services.edge.protocol import ChatCompletionRequest, ChatMessage, InvalidRequest, Translated, parse_body
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
@@ -94,7 +95,7 @@ class TextConfig(Struct, forbid_unknown_fields=True, omit_defaults=True):
     verbosity: Literal["low", "medium", "high"] | None = None  # accepted: changes nothing here
 
 
-class ResponsesRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+class _ResponsesFields(Struct, kw_only=True, forbid_unknown_fields=True):
     model: str
     input: str | list[Any] | None = None
     instructions: str | None = None
@@ -123,29 +124,23 @@ class ResponsesRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     truncation: Literal["auto", "disabled"] | None = None
     background: bool | None = None
     previous_response_id: str | None = None  # the stored conversation this continues (the edge reads it: context)
-    conversation: Any = None
-    prompt: Any = None
+
+
+# the body as parsed: the typed fields above and every other field the table accepts (api_fields.py)
+ResponsesRequest = request_struct(_ResponsesFields, RESPONSES, "ResponsesRequest")
 
 
 def translate(body: bytes, context: bytes = b"") -> Translated:
     """A ``/v1/responses`` body as a chat request; ``context``: the stored conversation ``previous_response_id``
     names (its items, JSON, as metering keeps them), which comes before the input."""
     req = parse_body(body, ResponsesRequest)
-    if req.background:
-        raise InvalidRequest("background mode is not supported.", "background")
+    check_refused(req, RESPONSES, InvalidRequest)
     earlier: list[Any] = []
     if req.previous_response_id is not None:
         if not context:
             raise InvalidRequest(f"Previous response with id '{req.previous_response_id}' not found.",
                                  "previous_response_id")
         earlier = msgspec.json.decode(context)
-    if req.conversation is not None:
-        raise InvalidRequest("conversation is not supported yet: send the whole conversation as input.",
-                             "conversation")
-    if req.prompt is not None:
-        raise InvalidRequest("prompt (prompt templates) is not supported: send instructions and input.", "prompt")
-    if req.top_logprobs:
-        raise InvalidRequest("top_logprobs is not supported.", "top_logprobs")
     if req.input is None:
         raise InvalidRequest("input: Field required", "input")
     items = _items(req.input)

@@ -50,7 +50,8 @@ def big_tools(num_properties: int, name: str = "lookup") -> list[dict]:
 
 
 async def test_unknown_and_out_of_range_arguments_are_400s_naming_them(client):
-    cases = [({"extra_body": {"logit_bias": {"50": -100}}}, "logit_bias", "Unrecognized request argument"),
+    cases = [({"extra_body": {"logit_biass": {"50": -100}}}, "logit_biass", "Unrecognized request argument"),
+             ({"extra_body": {"logit_bias": {"50": -100}}}, "logit_bias", "logit_bias is not supported"),
              ({"seed": 2**70}, "seed", "seed"),
              ({"extra_body": {"max_tokens": 2**40}}, "max_tokens", "max_tokens")]
     for options, param, says in cases:

@@ -59,8 +59,8 @@ def nested(depth: int) -> dict:
     return schema
 
 
-@pytest.mark.parametrize("kind, body", [("chat", chat(logit_bias={"50256": -100})),
-                                        ("text", completion(logit_bias={})), ("chat", chat(temprature=0.5))])
+@pytest.mark.parametrize("kind, body", [("chat", chat(logit_biass={"50256": -100})),
+                                        ("text", completion(logprob=1)), ("chat", chat(temprature=0.5))])
 def test_an_unknown_field_is_rejected_by_name(kind, body):
     error = rejected(body, kind)
     name = next(iter(set(json.loads(body)) - {"model", "messages", "prompt"}))
@@ -159,11 +159,11 @@ def test_a_schema_is_checked_once_however_often_it_is_sent(monkeypatch):
 
 
 def test_a_worker_process_failure_carries_the_same_error():
-    body = chat(logit_bias={})
+    body = chat(logit_biass={})
     failure = _run(PrepJob("chat", body, None))
     assert isinstance(failure, Failure)
     error = failure.error()
-    assert (error.status, error.param, error.code) == (400, "logit_bias", "unrecognized_argument")
+    assert (error.status, error.param, error.code) == (400, "logit_biass", "unrecognized_argument")
 
 
 def test_a_completion_prompt_that_cannot_fit_is_rejected_on_prompt():

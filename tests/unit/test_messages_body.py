@@ -80,7 +80,7 @@ def test_tools_and_every_tool_choice():
     ({"top_k": 5}, "top_k", "top_k"),
     ({"stop_sequences": ["a", "b", "c", "d", "e"]}, "stop_sequences", "At most 4"),
     ({"temperature": 1.5}, "temperature", "<= 1.0"),
-    ({"logit_bias": {}}, "logit_bias", "Unrecognized"),
+    ({"logit_bias": {}}, "logit_bias", "logit_bias: Extra inputs are not permitted"),
     ({"messages": []}, "messages", "at least one"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0]",
      "text-only"),
