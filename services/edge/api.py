@@ -128,7 +128,8 @@ class EdgeApi:
         arrived = time.time()
         caller: Caller = request.caller
         request_id = request.request_id or uuid.uuid4().hex
-        hints = RouteHints(self._session_id(request, prepared), prepared.cache_salt, caller.team)
+        hints = RouteHints(self._session_id(request, prepared), prepared.cache_salt, caller.team,
+                           prepared.cache_prefix_tokens)
         span = tracing.start_request_span(kind, request.path, request.headers, request_id, model, len(prompt_ids),
                                           stream, caller.team, hints.session_id)
         klass = self._request_class(request)

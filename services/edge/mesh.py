@@ -91,6 +91,7 @@ class RouteHints:
     session_id: str | None = None  # the trajectory (services/edge/sessions.py)
     cache_salt: str | None = None  # the tenant's prefix-cache salt: no cache sharing across salts
     team: str = ""  # whose session it is: the router keys session affinity by team and id
+    cache_prefix_tokens: int = 0  # prompt tokens up to the client's last cache_control breakpoint (cache_hints.py)
 
 
 @dataclass(slots=True)
@@ -274,8 +275,9 @@ class EdgeMesh:
         block_size = self.config.route_block_size
         hashes = self._prefix_hashes.hashes(prompt_token_ids, model, None, hints.cache_salt, block_size) \
             if block_size else []
+        cache_blocks = min(hints.cache_prefix_tokens // block_size, len(hashes)) if hashes else 0
         return RouteRequest(request_id, model, len(prompt_token_ids), hints.session_id, [], hashes,
-                            block_size if hashes else 0, hints.team)
+                            block_size if hashes else 0, hints.team, cache_blocks)
 
     async def route(self, bus: Bus, request: RouteRequest) -> RouteDecision:
         """One routing answer from ``bus``'s deployment (its router leaves out workers whose breaker is open);

@@ -38,7 +38,7 @@ from typing import Any, Callable, Literal, Sequence
 
 import msgspec
 
-from services.edge import messages_body, responses_body
+from services.edge import cache_hints, messages_body, responses_body
 from services.edge.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -131,6 +131,7 @@ class Prepared:
     reasoning: ReasoningSetup | None = None  # a reasoning model's: how its response separates the thought
     ignored_tools: tuple[str, ...] = ()  # built-in tools left out of the prompt (x-infermesh-ignored-tools)
     prompt_cache_key: str | None = None  # OpenAI's: a session id candidate (services/edge/sessions.py)
+    cache_prefix_tokens: int = 0  # prompt tokens up to the client's last cache_control breakpoint (cache_hints.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,7 +261,26 @@ def _prepare_translated(translated: Translated, job: PrepJob, tokenizer: Any) ->
         raise
     prepared.extra = translated.extra
     prepared.ignored_tools = translated.ignored_tools
+    if job.kind == "messages":
+        prepared.cache_prefix_tokens = _cache_prefix_tokens(translated, job, tokenizer, prepared.prompt_ids)
     return prepared
+
+
+def _cache_prefix_tokens(translated: Translated, job: PrepJob, tokenizer: Any, prompt_ids: Sequence[int]) -> int:
+    """The prompt tokens up to the last ``cache_control`` breakpoint: the whole prompt when it marks the last
+    message, else the tokens the prompt shares with the prefix's own preparation (0: none, or it cannot stand
+    alone as a request)."""
+    messages = translated.body.messages
+    upto = cache_hints.messages_up_to(cache_hints.last_breakpoint(job.body), translated.param.origins)
+    if upto >= len(messages):
+        return len(prompt_ids)
+    if upto == 0:
+        return 0
+    try:
+        head = prepare_chat(msgspec.structs.replace(translated.body, messages=messages[:upto]), job, tokenizer)
+    except Exception:  # justified: a hint never fails its request (a template may refuse a prefix alone)
+        return 0
+    return cache_hints.common_prefix(head.prompt_ids, prompt_ids)
 
 
 def _prepare_text(job: PrepJob, tokenizer: Any) -> Prepared:

@@ -224,6 +224,7 @@ class RouterService:
             span.set_attributes({"infermesh.request_id": request.request_id, "infermesh.router_id": self.router_id,
                                  "infermesh.session_id": request.session_id or "",
                                  "session.id": request.session_id or "",
+                                 "infermesh.router.cache_blocks": request.cache_blocks,  # the client's breakpoint
                                  "infermesh.num_prompt_tokens": request.num_prompt_tokens})
             with self._decision_s.time():
                 plan = await self.decide(request)

@@ -78,7 +78,7 @@ async def test_two_codex_turns_with_one_session_id_are_one_trajectory(nats_url, 
         await mesh.stop()
 
 
-async def test_claude_codes_session_names_its_trajectory(nats_url, namespace, tiny_model, ledger_url):
+async def test_claude_codes_session_names_its_trajectory(nats_url, namespace, tiny_model, ledger_url, span_exporter):
     mesh = await start_mesh(nats_url, namespace, tiny_model, ledger_url)
     try:
         key = await team_key(ledger_url, "claude")
@@ -86,8 +86,14 @@ async def test_claude_codes_session_names_its_trajectory(nats_url, namespace, ti
         client = anthropic.AsyncAnthropic(base_url=mesh.base_url.removesuffix("/v1"), api_key=key, max_retries=0)
         user_id = json.dumps({"device_id": "d", "account_uuid": "", "session_id": CLAUDE_SESSION})
         messages = [{"role": "user", "content": TASK}]
-        by_header = await client.messages.create(model="tiny", messages=messages, max_tokens=4,
+        marked = [{"role": "user", "content": [{"type": "text", "text": TASK, "cache_control": {"type": "ephemeral"}}]}]
+        span_exporter.clear()
+        by_header = await client.messages.create(model="tiny", messages=marked, max_tokens=4,
                                                  extra_headers={"X-Claude-Code-Session-Id": CLAUDE_SESSION})
+        # its breakpoint marks the last message: the router is told the whole prompt's full blocks
+        route = next(s for s in span_exporter.get_finished_spans() if s.name == "router.route")
+        assert route.attributes["session.id"] == CLAUDE_SESSION
+        assert route.attributes["infermesh.router.cache_blocks"] == by_header.usage.input_tokens // 16 > 0
         by_user_id = await client.messages.create(model="tiny", messages=messages, max_tokens=4,
                                                   metadata={"user_id": user_id})
         await eventually(lambda: mesh.meterings[0].stats["inserted"] >= 2, 10)

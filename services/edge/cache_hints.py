@@ -1,0 +1,86 @@
+"""Where an Anthropic request asks its prompt cache to end (``cache_control`` breakpoints), pure.
+
+Anthropic caches the prompt in the order tools, system, messages, up to the last block marked ``cache_control``
+(a top-level ``cache_control`` marks the last message: automatic caching). Here every engine keeps every computed
+KV block anyway (the sim's block pool, vLLM's prefix cache) and drops the least recently used; a breakpoint cannot
+make it keep more. What it does tell is which prefix the client will send again: the edge turns it into the prompt
+tokens up to the breakpoint (``Prepared.cache_prefix_tokens``) and the router into an affinity key for requests
+without a session id (services/router/README.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+
+class _Marked(msgspec.Struct):
+    cache_control: Any = None
+
+
+class _Message(msgspec.Struct):
+    content: str | list[_Marked] = ""
+
+
+class _Breakpoints(msgspec.Struct):
+    """Only what says where the breakpoints are: everything else in the body is skipped unread."""
+
+    cache_control: Any = None
+    tools: list[_Marked] | None = None
+    system: str | list[_Marked] | None = None
+    messages: list[_Message] = []
+
+
+_decoder = msgspec.json.Decoder(_Breakpoints)
+
+
+def last_breakpoint(body: bytes) -> str | None:
+    """The Messages param holding the last breakpoint: ``messages[i]``, ``system`` or ``tools``; None: no breakpoint
+    (or a body this cannot read: the request's own validation says what is wrong with it)."""
+    try:
+        req = _decoder.decode(body)
+    except msgspec.DecodeError:
+        return None
+    if req.cache_control is not None and req.messages:
+        return f"messages[{len(req.messages) - 1}]"
+    for i in range(len(req.messages) - 1, -1, -1):
+        content = req.messages[i].content
+        if not isinstance(content, str) and any(block.cache_control is not None for block in content):
+            return f"messages[{i}]"
+    if isinstance(req.system, list) and any(block.cache_control is not None for block in req.system):
+        return "system"
+    if req.tools and any(tool.cache_control is not None for tool in req.tools):
+        return "tools"
+    return None
+
+
+def messages_up_to(breakpoint: str | None, origins: Sequence[str]) -> int:
+    """How many chat messages (``origins``: the Messages param each came from) the cached prefix covers: up to the
+    last one from the breakpoint's param (tools are rendered with the system turn); 0 when none does."""
+    if breakpoint is None:
+        return 0
+    wanted = {"system"} if breakpoint in ("system", "tools") else {breakpoint}
+    covered = [i + 1 for i, origin in enumerate(origins) if origin in wanted]
+    if breakpoint == "tools" and not covered:  # no system turn: the tools lead the first message's turn
+        return 0
+    if breakpoint.startswith("messages[") and not covered:  # (an empty message makes no chat message)
+        index = int(breakpoint[len("messages["):-1])
+        covered = [i + 1 for i, origin in enumerate(origins)
+                   if origin.startswith("messages[") and int(origin[len("messages["):-1]) <= index]
+    return max(covered, default=0)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share: the prefix's own rendering ends in the template's generation
+    prompt, which the whole prompt does not have there."""
+    n = min(len(a), len(b))
+    lo, hi = 0, n
+    while lo < hi:  # bisect on equal slices: memcmp-speed on arrays, not a Python loop per token
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
