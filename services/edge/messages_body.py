@@ -3,13 +3,16 @@
 A Messages body becomes the ``ChatCompletionRequest`` it asks for, so it goes through the same checks, chat
 template, tool grammar and tool-call parser as chat; errors name the Messages body's own params.
 
-- ``system``: a string or text blocks, the first message; ``messages``: ``user`` / ``assistant`` turns whose
+- ``system``: a string or text blocks, the first message; ``messages``: ``system`` turns (beta, Claude Code's:
+  kept in place, merged into the first by templates that allow one system turn, see tokenizer.py), ``user`` /
+  ``assistant`` turns whose
   content is a string or blocks: ``text``; ``tool_use`` (assistant: a tool call, its ``input`` the arguments);
   ``tool_result`` (user: a ``tool`` message answering the call ``tool_use_id``); ``thinking`` (sent back by
   clients: the assistant turn's ``reasoning_content``, which the chat template renders or drops as the model was
   trained: most keep only the thoughts after the last user turn), ``redacted_thinking`` (dropped); ``image`` and
   ``document`` are refused (the models served are text-only).
-- ``tools`` (``name`` / ``description`` / ``input_schema``; Anthropic's server tools are refused),
+- ``tools`` (``name`` / ``description`` / ``input_schema``; Anthropic's own tools, ``BUILT_IN``, are left out of
+  the prompt and named in the response's ``x-infermesh-ignored-tools`` header; ``tool_choice`` naming one is a 400),
   ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none`` (``disable_parallel_tool_use``), ``stop_sequences``,
   ``max_tokens`` (required), ``temperature``, ``top_p`` (older SDKs send them), ``metadata.user_id`` (the chat
   request's ``user``), ``output_config.format`` (JSON outputs: chat's ``response_format``, the same grammar).
@@ -17,12 +20,11 @@ template, tool grammar and tool-call parser as chat; errors name the Messages bo
   engine's thought budget, ``disabled`` turns thinking off (``enable_thinking: false`` to the template),
   ``adaptive`` leaves the thought unbounded; ``output_config.effort`` a budget (``EFFORT_BUDGETS``). A model
   that does not think ignores both.
-- Accepted and changing nothing:
-  ``service_tier``, ``speed``, ``inference_geo``, ``diagnostics``, ``user_profile_id``, ``workspace_id``,
-  ``cache_control`` (top level and on blocks: the prefix cache is automatic), a tool's ``strict`` (tools are
-  always grammar-enforced), ``eager_input_streaming``, ``input_examples``, ``defer_loading``,
-  ``allowed_callers``; the ``anthropic-version`` / ``anthropic-beta`` headers.
-- Refused with a 400 naming them: ``top_k``, ``container``, server tools, ``image`` / ``document`` blocks.
+- Every other top-level field: api_fields.py's ``MESSAGES`` / ``COUNT_TOKENS`` tables (honored, ignored or
+  refused, and why); one in neither is ``X: Extra inputs are not permitted``. Within the body, changing nothing:
+  ``cache_control`` on blocks (the prefix cache is automatic), a tool's ``strict`` (tools are always
+  grammar-enforced), ``eager_input_streaming``, ``input_examples``, ``defer_loading``, ``allowed_callers``; the
+  ``anthropic-version`` / ``anthropic-beta`` headers. Refused: ``image`` / ``document`` blocks.
 """
 
 from __future__ import annotations

@@ -13,20 +13,19 @@ template, tool grammar and tool-call parser as chat; errors name the Responses b
   renders or drops as the model was trained; never forwarded as text).
 - ``reasoning.effort``: a reasoning model's thought budget (chat's ``reasoning_effort``, services/edge/reasoning.py;
   ``none`` / ``minimal`` turn thinking off); ``reasoning.summary`` is accepted, no summary is made.
-- ``tools`` (``function`` tools: ``name`` / ``description`` / ``parameters``), ``tool_choice`` ``auto`` /
+- ``tools``: ``function`` tools (``name`` / ``description`` / ``parameters``) and the functions of ``namespace``
+  tools (Codex's; a call of one names its ``namespace``); built-in tools OpenAI runs itself (``BUILT_IN``:
+  ``web_search``, ``file_search``, ``mcp``...) are left out of the prompt and named in the response's
+  ``x-infermesh-ignored-tools`` header (a ``tool_choice`` naming one is a 400). ``tool_choice`` ``auto`` /
   ``none`` / ``required`` / ``{"type": "function", "name"}``, ``parallel_tool_calls``, ``max_output_tokens``,
   ``temperature``, ``top_p``, ``stream``, ``text.format`` ``text`` / ``json_object`` / ``json_schema`` (chat's
   ``response_format``, the same grammar), ``user``, ``metadata``, ``store``; ``previous_response_id``: the
   stored conversation it names (``context``: its items, which the edge asks metering for) comes before the
   input, and its ``instructions`` do not (as OpenAI's).
-- Accepted and changing nothing: ``reasoning`` (the models here do not reason), ``text.verbosity``, ``include``,
-  ``truncation`` (reported; ``auto`` truncates nothing), ``max_tool_calls`` (it
-  counts built-in tool calls, and none runs here), ``stream_options``, ``service_tier``, ``safety_identifier``,
-  ``prompt_cache_key`` / ``_retention`` / ``_options`` (the prefix cache is automatic), ``top_logprobs`` 0, a tool's
-  ``strict`` (tools are always grammar-enforced), ``background`` false.
-- Refused with a 400 naming them: ``background`` true, ``conversation``, ``prompt``,
-  ``top_logprobs`` > 0, tools other than ``function`` (built-in, MCP, custom), other ``tool_choice`` types,
-  ``input_image`` / ``input_file`` / ``input_audio`` parts, ``item_reference`` and every other item type.
+- Every other top-level field: api_fields.py's ``RESPONSES`` table (honored, ignored or refused, and why). Within
+  the body: a tool's ``strict`` changes nothing (tools are always grammar-enforced); refused with a 400 naming
+  them: ``custom`` tools, other ``tool_choice`` types, ``input_image`` / ``input_file`` / ``input_audio`` parts,
+  ``item_reference`` and every other item type.
 """
 
 from __future__ import annotations
@@ -162,7 +161,8 @@ def translate(body: bytes, context: bytes = b"") -> Translated:
              "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
              "metadata": req.metadata or {}, "user": req.user, "store": req.store is not False,
              "truncation": req.truncation or "disabled", "input_items": items,
-             "previous_response_id": req.previous_response_id}
+             "previous_response_id": req.previous_response_id,
+             "tool_namespaces": namespaces(req.tools)}
     return Translated(chat, extra, _Params(origins, calls), tuple(dropped))
 
 
@@ -299,6 +299,13 @@ def _text(content: str | list[Part], role: str, where: str) -> str:
 
 
 # ------------------------------------------------------------ tools
+def namespaces(tools: list[Any] | None) -> dict[str, str]:
+    """Each function a ``namespace`` tool groups -> the namespace's name (its calls carry it back)."""
+    return {inner["name"]: tool["name"] for tool in tools or () if isinstance(tool, dict) and
+            tool.get("type") == "namespace" and isinstance(tool.get("name"), str)
+            for inner in tool.get("tools") or () if isinstance(inner, dict) and isinstance(inner.get("name"), str)}
+
+
 def _tools(req: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, Any, list[str]]:
     """``tools`` / ``tool_choice`` as chat's (no tools: none declared, and ``auto`` then asks for nothing), and the
     built-in tools left out (none runs here: the model is not told of them, the response says so)."""
@@ -306,7 +313,7 @@ def _tools(req: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, Any, lis
     dropped: list[str] = []
     for i, tool in enumerate(req.tools or []):
         kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind == "namespace":  # functions grouped under a name (Codex): each is a function tool
+        if kind == "namespace":  # functions grouped under a name (Codex): each is a function tool, its calls name it
             tools += [_tool(inner, f"tools[{i}].tools[{j}]") for j, inner in enumerate(tool.get("tools") or [])]
         elif isinstance(kind, str) and kind in BUILT_IN:
             dropped.append(kind)

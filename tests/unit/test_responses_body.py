@@ -131,6 +131,7 @@ def test_the_extra_dict_has_the_defaults_and_echoes_what_was_sent():
         "instructions": None, "tools": [], "tool_choice": "auto", "parallel_tool_calls": True,
         "text": {"format": {"type": "text"}}, "temperature": None, "top_p": None, "max_output_tokens": None,
         "metadata": {}, "user": None, "store": True, "truncation": "disabled", "previous_response_id": None,
+        "tool_namespaces": {},
         "input_items": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}
     out = translate(body(instructions="i", tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
                          temperature=0.2, top_p=0.5, max_output_tokens=7, metadata={"a": "b"}, user="u",
@@ -139,7 +140,8 @@ def test_the_extra_dict_has_the_defaults_and_echoes_what_was_sent():
     assert {k: v for k, v in extra.items() if k != "input_items"} == {
         "instructions": "i", "tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False,
         "text": {"format": {"type": "text"}}, "temperature": 0.2, "top_p": 0.5, "max_output_tokens": 7,
-        "metadata": {"a": "b"}, "user": "u", "store": False, "truncation": "auto", "previous_response_id": None}
+        "metadata": {"a": "b"}, "user": "u", "store": False, "truncation": "auto", "previous_response_id": None,
+        "tool_namespaces": {}}
     assert len(extra["input_items"]) == len(ROUND_TRIP)
     assert extra["input_items"][0] == {"type": "message", "role": "developer",
                                        "content": [{"type": "input_text", "text": "use tools"}]}
@@ -269,7 +271,7 @@ def test_codex_fields_are_accepted_and_its_namespace_functions_are_tools():
                          include=["reasoning.encrypted_content"], reasoning={"summary": "auto"},
                          tools=[WEATHER, namespace, {"type": "web_search", "external_web_access": False}]))
     assert [t["function"]["name"] for t in out.body.tools] == ["weather", "spawn_agent"]
-    assert out.ignored_tools == ("web_search",)
+    assert out.ignored_tools == ("web_search",) and out.extra["tool_namespaces"] == {"spawn_agent": "agents"}
 
 
 @pytest.mark.parametrize("kind", ["web_search", "file_search", "code_interpreter", "image_generation", "mcp",

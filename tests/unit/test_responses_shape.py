@@ -120,3 +120,13 @@ def test_a_failed_response_is_not_stored():
     s = ResponsesShape("resp_ab", "tiny", None, ECHO, keep)
     evs = events(s.opening() + s.text("Hi") + s.failed(errors.engine_failed("boom")))
     assert evs[-1]["type"] == "response.failed"
+
+
+def test_a_call_of_a_namespace_tools_function_names_its_namespace():
+    s = ResponsesShape("resp_ab", "tiny", make_parser("hermes", ["weather"], "ab"),
+                       {**ECHO, "tool_namespaces": {"weather": "forecasts"}})
+    evs = stream(s, [CALL], usage("tool_calls"))
+    call = evs[-1]["response"]["output"][0]
+    assert (call["type"], call["name"], call["namespace"]) == ("function_call", "weather", "forecasts")
+    plain = stream(shape(), [CALL], usage("tool_calls"))[-1]["response"]["output"][0]
+    assert "namespace" not in plain

@@ -42,8 +42,9 @@ class _Items:
     """The output items the deltas make (a ``message`` with one ``output_text`` part, ``function_call``s), and
     the events that make them; ``sequence`` numbers every event of the response."""
 
-    def __init__(self, response_id: str) -> None:
+    def __init__(self, response_id: str, namespaces: dict[str, str] | None = None) -> None:
         self.key = response_id.removeprefix("resp_")
+        self.namespaces = namespaces or {}  # a namespace tool's function -> its namespace (the call names it)
         self.items: list[dict[str, Any]] = []
         self.open = False
         self.sequence = 0
@@ -70,8 +71,11 @@ class _Items:
                                                                   "delta": delta.text, "logprobs": []})
         out = b""
         if delta.id is not None:  # a call's first delta: a function_call item of its own
-            out = self._start({"id": f"fc_{self.key}_{len(self.items)}", "type": "function_call",
-                               "status": "in_progress", "call_id": delta.id, "name": delta.name, "arguments": ""})
+            item = {"id": f"fc_{self.key}_{len(self.items)}", "type": "function_call", "status": "in_progress",
+                    "call_id": delta.id, "name": delta.name, "arguments": ""}
+            if delta.name in self.namespaces:
+                item["namespace"] = self.namespaces[delta.name]
+            out = self._start(item)
         if delta.arguments:
             self.items[-1]["arguments"] += delta.arguments
             out += self.event("response.function_call_arguments.delta", {**self._where(), "delta": delta.arguments})
@@ -137,7 +141,7 @@ class ResponsesShape:
         self.parser = parser
         self.echo = echo
         self.created_at = int(time.time())
-        self.items = _Items(response_id)
+        self.items = _Items(response_id, echo.get("tool_namespaces"))
         self.output = Output(parser, thinker)
 
     def _response(self, status: str, done: Usage | None = None, error: dict[str, Any] | None = None,
