@@ -71,6 +71,8 @@ def render_messages(messages: Sequence[Mapping[str, Any]], tools: Sequence[Tool]
         if role == "assistant" and message.get("tool_calls"):
             calls = assistant_tool_calls_text(message["tool_calls"], fmt)
             out.append({"role": "assistant", "content": f"{content}\n{calls}" if content else calls})
+            if message.get("reasoning_content"):  # the turn's thought: the template renders or drops it
+                out[-1]["reasoning_content"] = message["reasoning_content"]
         elif role == "tool":
             text = tool_result_text(content)
             if out and out[-1].get("tool_results"):
@@ -79,6 +81,8 @@ def render_messages(messages: Sequence[Mapping[str, Any]], tools: Sequence[Tool]
                 out.append({"role": "user", "content": text, "tool_results": True})
         else:
             out.append({"role": role, "content": content})
+            if role == "assistant" and message.get("reasoning_content"):
+                out[-1]["reasoning_content"] = message["reasoning_content"]
     for message in out:
         message.pop("tool_results", None)
     if tools:
