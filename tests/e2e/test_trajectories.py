@@ -93,11 +93,17 @@ async def test_claude_codes_session_names_its_trajectory(nats_url, namespace, ti
         # its breakpoint marks the last message: the router is told the whole prompt's full blocks
         route = next(s for s in span_exporter.get_finished_spans() if s.name == "router.route")
         assert route.attributes["session.id"] == CLAUDE_SESSION
-        assert route.attributes["infermesh.router.cache_blocks"] == by_header.usage.input_tokens // 16 > 0
+        told = by_header.usage
+        prompt = told.input_tokens + told.cache_read_input_tokens + told.cache_creation_input_tokens
+        assert route.attributes["infermesh.router.cache_blocks"] == prompt // 16 > 0
+        # what it did not read from the cache up to its breakpoint (here: all of it) was written to the cache
+        assert (told.input_tokens, told.cache_creation_input_tokens) == (0, prompt - told.cache_read_input_tokens)
         by_user_id = await client.messages.create(model="tiny", messages=messages, max_tokens=4,
                                                   metadata={"user_id": user_id})
+        assert by_user_id.usage.cache_creation_input_tokens == 0  # no breakpoint: no cache write
         await eventually(lambda: mesh.meterings[0].stats["inserted"] >= 2, 10)
         rows = await ledger_rows(ledger_url)
         assert [rows[m.id.removeprefix("msg_")].trajectory for m in (by_header, by_user_id)] == [CLAUDE_SESSION] * 2
+        assert rows[by_header.id.removeprefix("msg_")].prompt_tokens == prompt  # billed: every prompt token
     finally:
         await mesh.stop()

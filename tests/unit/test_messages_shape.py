@@ -129,3 +129,16 @@ def test_errors_take_anthropics_shape_and_status(error, status, kind):
     if error.param:  # Anthropic's errors have no param: the message names it
         assert error.param in body["error"]["message"]
     assert anthropic_error(errors.invalid_request("bad", "max_tokens"))[1].decode().count("max_tokens: bad") == 1
+
+
+@pytest.mark.parametrize(("prefix", "read", "written", "rest"), [
+    (0, 16, 0, 4),  # no breakpoint: nothing is a cache write
+    (20, 16, 4, 0),  # the whole prompt marked: what was not read from the cache was written to it
+    (18, 16, 2, 2),  # a breakpoint inside the prompt: the tokens after it are plain input
+    (10, 16, 0, 4),  # a breakpoint inside what was read: nothing new written
+])
+def test_cache_writes_are_the_tokens_up_to_the_breakpoint_the_engine_computed(prefix, read, written, rest):
+    message = asyncio.run(MessagesShape("msg_1", "tiny", None, 20, cache_prefix_tokens=prefix).full(["a"], usage()))
+    assert message["usage"] == {"input_tokens": rest, "output_tokens": 5, "cache_read_input_tokens": read,
+                                "cache_creation_input_tokens": written}
+    assert rest + read + written == 20  # Anthropic's: input_tokens = prompt - cache read - cache creation
