@@ -236,3 +236,13 @@ def test_a_field_in_no_spec_is_a_400_in_the_apis_words(endpoint, says):
     with pytest.raises(InvalidRequest) as info:
         _through_the_edge(endpoint, {**MINIMAL[endpoint], "temprature": 0.5})
     assert (info.value.message, info.value.param) == (says, "temprature")
+
+
+def test_the_edge_readme_shows_the_tables_as_they_are():
+    from pathlib import Path
+
+    from services.edge.api_fields import markdown
+
+    readme = (Path(__file__).parents[2] / "services/edge/README.md").read_text()
+    for endpoint, table in TABLES.items():
+        assert markdown(table) in readme, f"services/edge/README.md: paste api_fields.markdown(TABLES[{endpoint!r}])"
