@@ -191,7 +191,7 @@ _MESSAGES_COMMON: Table = {
     "tool_choice": _h("auto / any / tool / none, disable_parallel_tool_use"),
     "thinking": _h(REASONING),
     "output_config": _h(f"format: JSON outputs, grammar-enforced; effort: {REASONING}"),
-    "cache_control": _i("the prefix cache is automatic"),
+    "cache_control": _i("no output changes (messages: the usage's cache-write split, a routing hint)"),
     "speed": _i("one speed here"),
     "user_profile_id": _i("labels the request"),
     "workspace_id": _i("labels the request"),
