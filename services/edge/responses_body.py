@@ -338,7 +338,7 @@ def _tools(req: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, Any, lis
 # built-in tools OpenAI runs itself; none runs here, so they are left out of the prompt (and reported)
 BUILT_IN = frozenset({"web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11",
                       "file_search", "computer", "computer_use_preview", "code_interpreter", "image_generation",
-                      "mcp", "local_shell", "shell", "apply_patch", "tool_search"})
+                      "mcp", "local_shell", "shell", "apply_patch", "tool_search", "programmatic_tool_calling"})
 
 
 # a function tool's keys; all but name / description / parameters change nothing (the grammar is always strict)

@@ -246,3 +246,29 @@ def test_the_edge_readme_shows_the_tables_as_they_are():
     readme = (Path(__file__).parents[2] / "services/edge/README.md").read_text()
     for endpoint, table in TABLES.items():
         assert markdown(table) in readme, f"services/edge/README.md: paste api_fields.markdown(TABLES[{endpoint!r}])"
+
+
+def _tool_types(union) -> set[str]:
+    """The ``type`` values the tool params of an SDK's union take."""
+    import typing
+
+    found: set[str] = set()
+    for params in typing.get_args(union):
+        kind = typing.get_type_hints(params).get("type")
+        found |= {value for arg in typing.get_args(kind) for value in (typing.get_args(arg) or (arg,))
+                  if isinstance(value, str)}
+    return found
+
+
+def test_every_tool_type_the_published_specs_name_is_served_or_left_out():
+    """A tool type is a function the model may call, one left out of the prompt (BUILT_IN: said so in
+    x-infermesh-ignored-tools), or ``custom`` (free-form input, refused with a 400 naming it)."""
+    from anthropic.types import ToolUnionParam
+    from anthropic.types.beta import BetaToolUnionParam
+    from openai.types.responses import ToolParam
+
+    openai_types = _tool_types(ToolParam)
+    assert openai_types - {"function", "namespace", "custom"} - responses_body.BUILT_IN == set()
+    anthropic_types = _tool_types(ToolUnionParam) | _tool_types(BetaToolUnionParam)
+    assert "web_search_20250305" in anthropic_types and "web_search" in openai_types  # the walk finds them
+    assert anthropic_types - {"custom"} - messages_body.BUILT_IN == set()
