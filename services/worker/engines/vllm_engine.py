@@ -9,6 +9,8 @@ json_schema -> ``StructuredOutputsParams(json=)``, json_object -> ``json_object=
 structural_tag -> ``structural_tag=``; with ``close_within`` > 0 the request also opts into
 budget-aware closing through ``extra_args`` (a custom logits processor). Details and the
 order of vLLM's grammar bitmask vs logits processors: ``vllm_closing``.
+``SamplingParams.thinking`` (a reasoning model's thought budget) goes the same way to a second processor that
+writes the end of the thought once its budget is spent (``vllm_thinking``); it is always registered.
 
 Migration (``output_token_ids``: a request resumed on this engine after its worker died): the earlier
 tokens are appended to the prompt and recomputed; ``max_tokens`` is already reduced by the edge. Under a
@@ -56,6 +58,7 @@ from shared.schema import KvTransfer, SamplingParams
 log = logging.getLogger("infermesh.worker.vllm")
 # by name (FQCN): the engine core process imports it; importing it here would pull in vLLM
 _CLOSING_PROCESSOR = "services.worker.engines.vllm_closing:BudgetClosingLogitsProcessor"
+_THINKING_PROCESSOR = "services.worker.engines.vllm_thinking:ThoughtBudgetLogitsProcessor"  # thought budgets
 
 
 @dataclass(slots=True)
@@ -166,7 +169,7 @@ class VllmEngine(Engine):
             # xgrammar matcher could not mirror): unsupported schemas are rejected per request
             structured_outputs_config=StructuredOutputsConfig(
                 backend="xgrammar", disable_any_whitespace=not c.json_any_whitespace),
-            logits_processors=[_CLOSING_PROCESSOR] if c.budget_closing else None,
+            logits_processors=[*([_CLOSING_PROCESSOR] if c.budget_closing else []), _THINKING_PROCESSOR],
             kv_transfer_config=kv_transfer_config, max_num_batched_tokens=c.max_num_batched_tokens or None,
             scheduling_policy="priority",  # batch behind interactive, and preempted first (base.ENGINE_PRIORITY)
             **gpu_args(c),
@@ -275,6 +278,10 @@ class VllmEngine(Engine):
             structured_outputs = None if output_token_ids else structured_outputs_params(sampling.structured)
             extra_args = closing_extra_args(sampling.structured, request_id, output_token_ids) \
                 if self.config.budget_closing else None
+        if sampling.thinking is not None:  # the thought budget's processor closes the thought (vllm_thinking.py)
+            from services.worker.engines.vllm_thinking import thinking_extra_args
+
+            extra_args = {**(extra_args or {}), **thinking_extra_args(sampling.thinking, output_token_ids)}
         if output_token_ids and sampling.seed is not None:
             from services.worker.engines.vllm_plugin import SEED_DRAWS_KEY
 
