@@ -78,8 +78,8 @@ class _Common(Struct, kw_only=True, forbid_unknown_fields=True):
     max_tokens: PositiveInt | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    n: PositiveInt = 1
-    stream: bool = False
+    n: PositiveInt | None = 1  # null: OpenAI's spec makes these nullable (the default then)
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: Seed | None = None
@@ -97,6 +97,12 @@ class _Common(Struct, kw_only=True, forbid_unknown_fields=True):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, str | int | float | bool | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.n is None:
+            self.n = 1
+        if self.stream is None:
+            self.stream = False
 
 
 class _ChatFields(_Common, kw_only=True):
@@ -119,7 +125,7 @@ class _ChatFields(_Common, kw_only=True):
 
 class _CompletionFields(_Common, kw_only=True):
     prompt: str | list[Any]  # str, [str], [int] (token ids) or [[int]]
-    echo: bool = False
+    echo: bool | None = False
     suffix: str | None = None
     best_of: PositiveInt | None = None
 

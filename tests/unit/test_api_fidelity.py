@@ -272,3 +272,32 @@ def test_every_tool_type_the_published_specs_name_is_served_or_left_out():
     anthropic_types = _tool_types(ToolUnionParam) | _tool_types(BetaToolUnionParam)
     assert "web_search_20250305" in anthropic_types and "web_search" in openai_types  # the walk finds them
     assert anthropic_types - {"custom"} - messages_body.BUILT_IN == set()
+
+
+def _nullable(*typed_dicts) -> set[str]:
+    """The fields the SDKs' params type ``Optional``: the published spec lets them be null."""
+    import typing
+
+    found = set()
+    for td in typed_dicts:
+        for name, hint in typing.get_type_hints(td).items():
+            if type(None) in typing.get_args(hint):
+                found.add(name)
+    return found
+
+
+def test_a_field_the_spec_lets_be_null_may_be_null():
+    from anthropic.types import message_create_params as messages
+    from openai.types import completion_create_params as completions
+    from openai.types.chat import completion_create_params as chat
+    from openai.types.responses import response_create_params as responses
+
+    specs = {"chat": chat.CompletionCreateParamsNonStreaming,
+             "completions": completions.CompletionCreateParamsNonStreaming,
+             "responses": responses.ResponseCreateParamsNonStreaming,
+             "messages": messages.MessageCreateParamsNonStreaming}
+    for endpoint, typed_dict in specs.items():
+        nullable = _nullable(typed_dict) - set(MINIMAL[endpoint])
+        assert len(nullable) >= 5, (endpoint, nullable)  # the walk finds them
+        for name in sorted(nullable):
+            _through_the_edge(endpoint, {**MINIMAL[endpoint], name: None})
