@@ -117,8 +117,8 @@ class RouteRequest(Struct, frozen=True):
     block_hashes: list[int] = []  # the prompt's router hashes (shared.prefix_hash), salted by model and cache_salt
     block_size: int = 0  # the block size they were computed at (0: none sent)
     team: str = ""  # whose session: a tenant cannot re-pin another team's session by naming its id
-    # of block_hashes, those up to the client's last prompt-cache breakpoint (Anthropic cache_control): recorded on
-    # the router's span beside the overlap it found; no decision uses it (services/router/README.md says why)
+    # of block_hashes, those up to the client's last prompt-cache breakpoint (Anthropic cache_control; 0: none or
+    # not known): recorded on the router's span beside the overlap found; no decision uses it (router README: why)
     cache_blocks: int = 0
 
 

@@ -3,9 +3,11 @@
 Anthropic caches the prompt in the order tools, system, messages, up to the last block marked ``cache_control``
 (a top-level ``cache_control`` marks the last message: automatic caching). Here every engine keeps every computed
 KV block anyway (the sim's block pool, vLLM's prefix cache) and drops the least recently used; a breakpoint cannot
-make it keep more. What it does tell is which prefix the client will send again: the edge turns it into the prompt
-tokens up to the breakpoint (``Prepared.cache_prefix_tokens``) and the router into an affinity key for requests
-without a session id (services/router/README.md).
+make it keep more. It says that the client asked for cache writes (Anthropic's ``cache_creation_input_tokens``,
+services/edge/shapes/messages.py) and which prefix it will send again: the prompt tokens up to the breakpoint
+(``Prepared.cache_prefix_tokens``), known for free when it marks the last message (the whole prompt); elsewhere
+knowing it would take preparing the prefix again (about as long as the request's own preparation), so it is
+left unknown (0). The router records it (services/router/README.md).
 """
 
 from __future__ import annotations
@@ -70,17 +72,3 @@ def messages_up_to(breakpoint: str | None, origins: Sequence[str]) -> int:
         covered = [i + 1 for i, origin in enumerate(origins)
                    if origin.startswith("messages[") and int(origin[len("messages["):-1]) <= index]
     return max(covered, default=0)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share: the prefix's own rendering ends in the template's generation
-    prompt, which the whole prompt does not have there."""
-    n = min(len(a), len(b))
-    lo, hi = 0, n
-    while lo < hi:  # bisect on equal slices: memcmp-speed on arrays, not a Python loop per token
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

@@ -91,7 +91,7 @@ class RouteHints:
     session_id: str | None = None  # the trajectory (services/edge/sessions.py)
     cache_salt: str | None = None  # the tenant's prefix-cache salt: no cache sharing across salts
     team: str = ""  # whose session it is: the router keys session affinity by team and id
-    cache_prefix_tokens: int = 0  # prompt tokens up to the client's last cache_control breakpoint (cache_hints.py)
+    cache_prefix_tokens: int = 0  # prompt tokens up to the client's last cache_control breakpoint (0: not known)
 
 
 @dataclass(slots=True)

@@ -47,7 +47,7 @@ class MessagesApi:
         parser = self.api.tool_parser(prepared)
         return await self.api.serve(request, "messages", prepared, tokenizer, lambda request_id: MessagesShape(
             f"msg_{request_id}", prepared.model, parser(request_id[:16]) if parser else None,
-            len(prepared.prompt_ids), thinker(prepared), prepared.cache_prefix_tokens))
+            len(prepared.prompt_ids), thinker(prepared), prepared.cache_requested))
 
     async def count_tokens(self, request: HttpRequest) -> Reply:
         """The prompt's tokens as generation would see them: the same translation, chat template and tokenizer."""

@@ -131,7 +131,8 @@ class Prepared:
     reasoning: ReasoningSetup | None = None  # a reasoning model's: how its response separates the thought
     ignored_tools: tuple[str, ...] = ()  # built-in tools left out of the prompt (x-infermesh-ignored-tools)
     prompt_cache_key: str | None = None  # OpenAI's: a session id candidate (services/edge/sessions.py)
-    cache_prefix_tokens: int = 0  # prompt tokens up to the client's last cache_control breakpoint (cache_hints.py)
+    cache_requested: bool = False  # the body has a cache_control breakpoint (Anthropic): it asked for cache writes
+    cache_prefix_tokens: int = 0  # prompt tokens up to the last breakpoint, where known for free (cache_hints.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,25 +263,11 @@ def _prepare_translated(translated: Translated, job: PrepJob, tokenizer: Any) ->
     prepared.extra = translated.extra
     prepared.ignored_tools = translated.ignored_tools
     if job.kind == "messages":
-        prepared.cache_prefix_tokens = _cache_prefix_tokens(translated, job, tokenizer, prepared.prompt_ids)
+        breakpoint = cache_hints.last_breakpoint(job.body)
+        prepared.cache_requested = breakpoint is not None
+        if cache_hints.messages_up_to(breakpoint, translated.param.origins) >= len(translated.body.messages):
+            prepared.cache_prefix_tokens = len(prepared.prompt_ids)  # it marks the last message: all of it
     return prepared
-
-
-def _cache_prefix_tokens(translated: Translated, job: PrepJob, tokenizer: Any, prompt_ids: Sequence[int]) -> int:
-    """The prompt tokens up to the last ``cache_control`` breakpoint: the whole prompt when it marks the last
-    message, else the tokens the prompt shares with the prefix's own preparation (0: none, or it cannot stand
-    alone as a request)."""
-    messages = translated.body.messages
-    upto = cache_hints.messages_up_to(cache_hints.last_breakpoint(job.body), translated.param.origins)
-    if upto >= len(messages):
-        return len(prompt_ids)
-    if upto == 0:
-        return 0
-    try:
-        head = prepare_chat(msgspec.structs.replace(translated.body, messages=messages[:upto]), job, tokenizer)
-    except Exception:  # justified: a hint never fails its request (a template may refuse a prefix alone)
-        return 0
-    return cache_hints.common_prefix(head.prompt_ids, prompt_ids)
 
 
 def _prepare_text(job: PrepJob, tokenizer: Any) -> Prepared:

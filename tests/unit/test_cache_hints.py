@@ -4,11 +4,10 @@ its use in prep.py), with the tiny model's real tokenizer and template."""
 from __future__ import annotations
 
 import json
-from array import array
 
 import pytest
 
-from services.edge.cache_hints import common_prefix, last_breakpoint, messages_up_to
+from services.edge.cache_hints import last_breakpoint, messages_up_to
 from services.edge.prep import PrepJob, prepare
 from services.edge.tokenizer import ModelTokenizer
 
@@ -56,12 +55,6 @@ def test_the_chat_messages_a_breakpoint_covers(breakpoint, origins, expected):
     assert messages_up_to(breakpoint, origins) == expected
 
 
-@pytest.mark.parametrize("a, b, expected", [([], [1], 0), ([1, 2, 3], [1, 2, 4], 2), ([1, 2], [1, 2, 3], 2),
-                                            ([5], [6], 0), (list(range(1000)), list(range(999)) + [0], 999)])
-def test_common_prefix(a, b, expected):
-    assert common_prefix(array("I", a), array("I", b)) == expected
-
-
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model):
     return ModelTokenizer(str(tiny_model))
@@ -71,21 +64,18 @@ def prepared(tokenizer, tiny_model, **fields):
     return prepare(PrepJob("messages", body(**fields), str(tiny_model), 4096), tokenizer)
 
 
-def test_a_system_breakpoint_keeps_the_system_turns_tokens(tokenizer, tiny_model):
+def test_a_breakpoint_on_the_last_message_marks_the_whole_prompt(tokenizer, tiny_model):
+    last = prepared(tokenizer, tiny_model, system=SYSTEM, messages=[{"role": "user", "content": [text("go", True)]}])
+    assert (last.cache_requested, last.cache_prefix_tokens) == (True, len(last.prompt_ids))
+    automatic = prepared(tokenizer, tiny_model, cache_control=EPHEMERAL, messages=[{"role": "user", "content": "go"}])
+    assert (automatic.cache_requested, automatic.cache_prefix_tokens) == (True, len(automatic.prompt_ids))
+
+
+def test_an_earlier_breakpoint_asks_for_caching_at_an_unknown_position(tokenizer, tiny_model):
+    # knowing it would take preparing the prefix a second time: the hint is not worth that on every request
     turns = [{"role": "user", "content": "Read the README."}, {"role": "assistant", "content": "Done."},
              {"role": "user", "content": "Now the edge."}]
-    whole = prepared(tokenizer, tiny_model, system=[text(SYSTEM, True)], messages=turns)
-    system_alone = tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}])
-    shared = common_prefix(array("I", system_alone), whole.prompt_ids)
-    assert 0 < whole.cache_prefix_tokens == shared < len(whole.prompt_ids)
-    assert list(whole.prompt_ids[:shared]) == system_alone[:shared]  # the system turn leads the prompt
-    middle = prepared(tokenizer, tiny_model, system=SYSTEM, messages=[
-        turns[0], {"role": "assistant", "content": [text("Done.", True)]}, turns[2]])
-    assert whole.cache_prefix_tokens < middle.cache_prefix_tokens < len(middle.prompt_ids)
-
-
-def test_a_breakpoint_on_the_last_message_keeps_the_whole_prompt_and_none_keeps_nothing(tokenizer, tiny_model):
-    last = prepared(tokenizer, tiny_model, system=SYSTEM, messages=[{"role": "user", "content": [text("go", True)]}])
-    assert last.cache_prefix_tokens == len(last.prompt_ids)
-    none = prepared(tokenizer, tiny_model, system=SYSTEM, messages=[{"role": "user", "content": "go"}])
-    assert none.cache_prefix_tokens == 0
+    system = prepared(tokenizer, tiny_model, system=[text(SYSTEM, True)], messages=turns)
+    assert (system.cache_requested, system.cache_prefix_tokens) == (True, 0)
+    none = prepared(tokenizer, tiny_model, system=SYSTEM, messages=turns)
+    assert (none.cache_requested, none.cache_prefix_tokens) == (False, 0)

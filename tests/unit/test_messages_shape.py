@@ -131,14 +131,14 @@ def test_errors_take_anthropics_shape_and_status(error, status, kind):
     assert anthropic_error(errors.invalid_request("bad", "max_tokens"))[1].decode().count("max_tokens: bad") == 1
 
 
-@pytest.mark.parametrize(("prefix", "read", "written", "rest"), [
-    (0, 16, 0, 4),  # no breakpoint: nothing is a cache write
-    (20, 16, 4, 0),  # the whole prompt marked: what was not read from the cache was written to it
-    (18, 16, 2, 2),  # a breakpoint inside the prompt: the tokens after it are plain input
-    (10, 16, 0, 4),  # a breakpoint inside what was read: nothing new written
+@pytest.mark.parametrize(("requested", "written", "rest"), [
+    (False, 0, 4),  # no breakpoint: nothing is a cache write; the tokens not read from the cache are input
+    (True, 4, 0),  # a breakpoint: what the engine computed stays in its prefix cache, a cache write
 ])
-def test_cache_writes_are_the_tokens_up_to_the_breakpoint_the_engine_computed(prefix, read, written, rest):
-    message = asyncio.run(MessagesShape("msg_1", "tiny", None, 20, cache_prefix_tokens=prefix).full(["a"], usage()))
-    assert message["usage"] == {"input_tokens": rest, "output_tokens": 5, "cache_read_input_tokens": read,
+def test_cache_writes_are_the_computed_tokens_of_a_request_that_asked_for_caching(requested, written, rest):
+    message = asyncio.run(MessagesShape("msg_1", "tiny", None, 20, cache_requested=requested).full(["a"], usage()))
+    assert message["usage"] == {"input_tokens": rest, "output_tokens": 5, "cache_read_input_tokens": 16,
                                 "cache_creation_input_tokens": written}
-    assert rest + read + written == 20  # Anthropic's: input_tokens = prompt - cache read - cache creation
+    assert rest + 16 + written == 20  # Anthropic's: input_tokens = prompt - cache read - cache creation
+    streamed = stream(MessagesShape("msg_1", "tiny", None, 20, cache_requested=requested), ["a"], usage())
+    assert streamed[-2][1]["usage"] == message["usage"]

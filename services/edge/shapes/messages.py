@@ -12,9 +12,10 @@ SDKs and Claude Code keep it and send the block back in later turns, where it is
 proves nothing (no secret is involved), a model here keeps no hidden thought to restore from it.
 
 Usage follows Anthropic's meaning: ``cache_read_input_tokens`` are the prompt tokens the engine read from its
-prefix cache (its hits); ``cache_creation_input_tokens`` the tokens up to the request's last ``cache_control``
-breakpoint that it computed instead (their KV blocks stay in the prefix cache for the next turn; 0 without a
-breakpoint); ``input_tokens`` the rest: prompt - read - creation. A cache write costs no more than any input.
+prefix cache (its hits); ``cache_creation_input_tokens``, for a request with a ``cache_control`` breakpoint, the
+ones it computed instead, which its prefix cache keeps for the next turn (it keeps every computed block: where
+the breakpoint is changes nothing there); without a breakpoint 0; ``input_tokens`` the rest: prompt - read -
+creation. A cache write costs no more than any input token.
 """
 
 from __future__ import annotations
@@ -64,9 +65,9 @@ def stop_reason(done: Usage, finish_reason: str) -> str:
     return "stop_sequence" if done.stop_sequence else "end_turn"
 
 
-def message_usage(done: Usage, cache_prefix_tokens: int = 0) -> dict[str, Any]:
-    """Anthropic's usage; ``cache_prefix_tokens``: the prompt tokens up to the last ``cache_control`` breakpoint."""
-    written = max(0, min(cache_prefix_tokens, done.prompt_tokens) - done.cached_tokens)
+def message_usage(done: Usage, cache_requested: bool = False) -> dict[str, Any]:
+    """Anthropic's usage; ``cache_requested``: the request has a ``cache_control`` breakpoint."""
+    written = done.prompt_tokens - done.cached_tokens if cache_requested else 0
     return {"input_tokens": done.prompt_tokens - done.cached_tokens - written, "output_tokens": done.completion_tokens,
             "cache_read_input_tokens": done.cached_tokens, "cache_creation_input_tokens": written}
 
@@ -156,9 +157,9 @@ class MessagesShape:
     """``message`` (whole) or the Messages event stream, for one request of ``input_tokens`` prompt tokens."""
 
     def __init__(self, response_id: str, model: str, parser: ToolCallParser | None, input_tokens: int,
-                 thinker: ReasoningParser | None = None, cache_prefix_tokens: int = 0) -> None:
+                 thinker: ReasoningParser | None = None, cache_requested: bool = False) -> None:
         self.id = response_id
-        self.cache_prefix_tokens = cache_prefix_tokens  # up to the last cache_control breakpoint: cache writes
+        self.cache_requested = cache_requested  # a cache_control breakpoint: what was computed is a cache write
         self.model = model
         self.parser = parser
         self.input_tokens = input_tokens
@@ -191,7 +192,7 @@ class MessagesShape:
         out = b"".join(self.blocks.add(d) for d in deltas) + self.blocks.close()
         reason = stop_reason(done, finish_reason)
         delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": done.stop_sequence or None},
-                 "usage": message_usage(done, self.cache_prefix_tokens)}
+                 "usage": message_usage(done, self.cache_requested)}
         return out + sse_event("message_delta", delta) + sse_event("message_stop", {"type": "message_stop"})
 
     def failed(self, error: errors.ApiError) -> bytes:
@@ -205,5 +206,5 @@ class MessagesShape:
         for delta in deltas:
             self.blocks.add(delta)
         return self._message(self.blocks.content(), stop_reason(done, finish_reason), done.stop_sequence or None,
-                             message_usage(done, self.cache_prefix_tokens))
+                             message_usage(done, self.cache_requested))
 
