@@ -6,8 +6,8 @@ KV block anyway (the sim's block pool, vLLM's prefix cache) and drops the least 
 make it keep more. It says that the client asked for cache writes (Anthropic's ``cache_creation_input_tokens``,
 services/edge/shapes/messages.py) and which prefix it will send again: the prompt tokens up to the breakpoint
 (``Prepared.cache_prefix_tokens``), known for free when it marks the last message (the whole prompt); elsewhere
-knowing it would take preparing the prefix again (about as long as the request's own preparation), so it is
-left unknown (0). The router records it (services/router/README.md).
+knowing it would take preparing the prefix again (Claude Code's first request: 4.5 -> 6.3 ms of preparation), so
+it is left unknown (0). The router records it (services/router/README.md).
 """
 
 from __future__ import annotations
