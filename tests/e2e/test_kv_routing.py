@@ -114,12 +114,12 @@ async def test_two_routers_and_two_edges_agree_and_bind_each_session_once(replic
         history = system + [rng.randrange(10, 1100) for _ in range(40)]
         for turn in range(6):
             probe = RouteRequest(f"probe-{n}-{turn}", "tiny", len(history), sid, [],
-                                 prompt_hashes(history, "tiny", block_size=BS), BS)
+                                 prompt_hashes(history, "tiny", block_size=BS), BS, "default")  # the dev key's team
             answers = await asyncio.gather(*(explain(bus, rid, probe) for rid in router_ids))
             asked += 1
             agreed += answers[0] == answers[1]
             reply = await edges[turn % 2].completions.create(model="tiny", prompt=history, max_tokens=8, seed=n)
-            binding, _ = await store.get(sid)
+            binding, _ = await store.get(sid, "default")
             bound_to.setdefault(sid, set()).add(binding.worker_id)
             repins += binding.repins
             if turn:

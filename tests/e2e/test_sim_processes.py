@@ -200,7 +200,7 @@ async def test_killing_a_sessions_decoder_repins_the_next_turn_with_no_client_er
             reply = await client.chat.completions.create(model="tiny", messages=history, max_tokens=6)
             assert reply.choices[0].finish_reason == "length"  # a normal answer every turn
             history.append({"role": "assistant", "content": reply.choices[0].message.content})
-            binding, _ = await router.sessions.get("agent-7")
+            binding, _ = await router.sessions.get("agent-7", "default")  # the dev key's team's session
             bound.append(binding)
             if turn == 1:
                 procs[binding.worker_id].send_signal(signal.SIGKILL)  # mid-session, its registry entry still live
