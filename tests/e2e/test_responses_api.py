@@ -93,7 +93,7 @@ async def test_json_schema_output_follows_the_schema(client):
 async def test_what_is_not_supported_is_a_400_naming_it(mesh, client):
     cases = [({"conversation": "conv_1"}, "conversation"),
              ({"background": True}, "background"),
-             ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+             ({"tools": [{"type": "custom", "name": "apply_patch"}]}, "tools[0].type"),  # web_search: left out
              ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
               "input[0].content[0]")]
     for options, param in cases:
