@@ -6,8 +6,9 @@ An agent run (a trajectory) is many requests. Each harness names it its own way 
     Claude Code   X-Claude-Code-Session-Id: <uuid>, and the same uuid in metadata.user_id, a JSON string
                   {"device_id": ..., "account_uuid": ..., "session_id": <uuid>} (older releases:
                   "user_<hash>_account_<uuid>_session_<uuid>")
-    Codex         session-id and thread-id headers (equal for a run's root thread; a sub-agent's thread has
-                  its own thread-id under the run's session-id), prompt_cache_key = the thread id
+    Codex         session-id and thread-id headers, equal for a run's root thread; its x-codex-turn-metadata
+                  (session_id, thread_id, thread_source "user") says a spawned thread has its own thread-id
+                  under the run's session-id (no sub-agent was recorded); prompt_cache_key = the thread id
     OpenCode      x-session-id and x-session-affinity: ses_<id> (the same id in both)
     anyone        X-Session-Id; OpenAI's prompt_cache_key (chat, Responses); ``user`` when the edge is so
                   configured (--session-from-user), which for /v1/messages is metadata.user_id
