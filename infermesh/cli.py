@@ -76,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     fleet.add_argument("--sim-stream-interval", type=int, default=1, help="tokens per streamed message")
     fleet.add_argument("--sim-engines-per-process", type=int, default=1,
                        help="sim engines sharing one worker process")
+    up.add_argument("--reasoning-parser", default="", choices=("", "deepseek_r1", "qwen3", "glm45"),
+                    help="the served model thinks (<think>...</think>): the edge separates its thought "
+                    "(services/edge/README.md, 'Reasoning models')")
     up.add_argument("--sim-script", default="", metavar="FILE",
                     help="sim engine: scripted answers, JSON rules the prompt picks from "
                     "(services/worker/README.md, 'Scripted answers')")
@@ -126,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             sim_decoders=args.sim_decoders, sim_prefill=args.sim_prefill, sim_profile=args.sim_profile,
             sim_clock_factor=args.sim_clock_factor, sim_stream_interval=args.sim_stream_interval,
             sim_engines_per_process=args.sim_engines_per_process, sim_script=args.sim_script,
+            reasoning_parser=args.reasoning_parser,
             database_url=args.database_url,
             billing_port=args.billing_port, metrics_port_base=args.metrics_port_base, pd=args.pd,
             trace_ui=args.trace_ui, trace_ui_port=args.trace_ui_port,

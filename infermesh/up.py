@@ -62,6 +62,7 @@ class MeshOptions:
     sim_clock_factor: float = 1.0  # simulated seconds per real second
     sim_stream_interval: int = 1  # tokens per streamed message
     sim_engines_per_process: int = 1
+    reasoning_parser: str = ""  # the edge's (services/edge/reasoning.py): the model's thought format, "" none
     sim_script: str = ""  # scripted answers (services/worker/engines/sim_script.py): the prompt picks the answer
     # Disaggregated prefill/decode ("P:D", e.g. "1:1"): P prefill and D decode workers; vLLM engines exchange
     # KV over NIXL. Each pool's per-step token budget (0: the engine's default).
@@ -239,6 +240,8 @@ def start_processes(group: ProcessGroup, options: MeshOptions, model_path: str, 
     edge_args = ["--host", options.host, "--http-port", str(options.http_port)]
     if options.edge_replicas > 1:
         edge_args.append("--reuse-port")
+    if options.reasoning_parser:
+        edge_args += ["--reasoning-parser", options.reasoning_parser]
     for i in range(options.edge_replicas):
         service("edge" if options.edge_replicas == 1 else f"edge-{i}", "services.edge", edge_args,
                 {**env, "INFERMESH_DEV_KEY": options.dev_key, "INFERMESH_EDGE_SECRET": edge_secret})

@@ -197,7 +197,7 @@ def prepare_chat(body: ChatCompletionRequest, job: PrepJob, tokenizer: Any) -> P
         messages = render_messages(messages, tools.tools if tools else (), job.tool_format)
     response_format = output.response_format if output.response_format.kind != "text" else None
     template_kwargs = _template_kwargs(body, job.reasoning)
-    prompt_ids = tokenizer.chat_ids(messages, template_kwargs)
+    prompt_ids = tokenizer.chat_ids(messages, template_kwargs) if template_kwargs else tokenizer.chat_ids(messages)
     reasoning, thinking = _reasoning(body, job.reasoning, tokenizer, prompt_ids, template_kwargs)
     constraint = build_constraint(job.tool_format, tools, response_format)
     if constraint is not None and reasoning is not None:  # a call or a JSON answer after a free thought

@@ -12,7 +12,8 @@ requests get identical output. A request with ``sampling.structured`` draws, wit
 RNG, among the tokens its grammar allows (grammar.ConstrainedDecoder, closing budget-aware)
 and ends when the grammar accepts a stop token; that needs ``tokenizer`` (the model path). With a ``script``
 (sim_script.py) the prompt, decoded, picks a written answer instead; its tokens must pass the request's grammar
-(else the request fails, naming the token). ``stream_interval`` coalesces
+(else the request fails, naming the token). A request with ``sampling.thinking`` has its thought closed once
+its budget is spent: the engine writes ``</think>`` instead of a draw (thinking.py). ``stream_interval`` coalesces
 tokens the way vLLM's ``--stream-interval`` does: the first token goes out at once, then every N tokens and at
 the end. KV events come from the block pool after every step, exactly as it changed.
 """
