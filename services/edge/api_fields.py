@@ -91,7 +91,7 @@ _VLLM: Table = {
     "include_stop_str_in_output": _r("the stop string is never shown", False),
     "skip_special_tokens": _r("special tokens are always left out of the text", True),
     "spaces_between_special_tokens": _r("special tokens are always left out of the text", True),
-    "prompt_logprobs": _r("log probabilities are not returned yet", 0),
+    "prompt_logprobs": _r("log probabilities are not returned yet"),
     "return_tokens_as_token_ids": _r("tokens are returned as text", False),
     "return_token_ids": _r("tokens are returned as text", False),
     "truncate_prompt_tokens": _r("a prompt is never truncated: too long is a 400"),
