@@ -52,6 +52,13 @@ def merge_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"role": "system", "content": "\n\n".join(texts)}, *rest] if texts else rest
 
 
+# The tags the edge's parsers read: kept in the text even where a tokenizer marks them special (GLM's tool tags
+# are; a thought's <think> / </think> may be), so ``decode(..., skip_special_tokens=True)`` drops every other
+# special token but these
+KEPT_TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+             "</arg_value>")
+
+
 class ModelTokenizer:
     def __init__(self, path: str) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -69,7 +76,15 @@ class ModelTokenizer:
         fast = getattr(self.hf, "_tokenizer", None)
         same_text = not getattr(self.hf, "clean_up_tokenization_spaces", False)
         self._fast_decode = fast.decode if fast is not None and same_text else None
+        self._dropped = self._dropped_specials(vocab)
         self.prefix_tokens = self._prefix_tokens(fast)
+
+    def _dropped_specials(self, vocab: dict[str, int]) -> frozenset[int] | None:
+        """The special tokens a decode that skips them drops, where some of ``KEPT_TAGS`` are special (else None:
+        the tokenizer's own skipping is the same)."""
+        special = set(self.hf.all_special_ids) | {i for i, t in self.hf.added_tokens_decoder.items() if t.special}
+        kept = {vocab[tag] for tag in KEPT_TAGS if tag in vocab} & special
+        return frozenset(special - kept) if kept else None
 
     def _prefix_tokens(self, fast: Any) -> PrefixTokens:
         """Agent turns tokenize only what is new (``incremental.py``), with the cuts this tokenizer keeps whole
@@ -135,6 +150,8 @@ class ModelTokenizer:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Any, skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens and self._dropped is not None:  # special tags the parsers read stay (KEPT_TAGS)
+            token_ids, skip_special_tokens = [t for t in token_ids if t not in self._dropped], False
         if self._fast_decode is not None:  # per token on the hot path: skip transformers' wrapper
             return self._fast_decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -143,3 +143,21 @@ def test_a_closed_budget_counts_what_it_forced() -> None:
     budget = ThoughtBudget(Thinking(1, [60, 61], open=True))
     _generate(budget, [1, 2, 3, 4])
     assert (budget.phase, budget.num_forced, budget.spent) == ("after", 2, 1)
+
+
+def test_a_tag_the_tokenizer_marks_special_stays_in_the_text(tiny_model, tmp_path) -> None:
+    """Detokenizing skips special tokens, but not the tags the parsers read (GLM's tool tags are special; a
+    thought's may be): else the thought would never end."""
+    from transformers import AutoTokenizer
+
+    from services.edge.tokenizer import ModelTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tiny_model)
+    hf.add_special_tokens({"additional_special_tokens": ["<think>", "</think>", "<|assistant|>"]})
+    hf.save_pretrained(tmp_path)
+    tokenizer = ModelTokenizer(str(tmp_path))
+    ids = tokenizer.encode("<|assistant|>ab</think>cd", add_special_tokens=False)
+    assert tokenizer.decode(ids) == "ab</think>cd"
+    assert tokenizer.decode(ids, skip_special_tokens=False) == "<|assistant|>ab</think>cd"
+    parser = ReasoningParser(True)
+    assert parser.feed(tokenizer.decode(ids)) + parser.finish() == [ThoughtDelta("ab"), "cd"]
