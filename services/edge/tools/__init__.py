@@ -18,8 +18,8 @@ A chat request flows through four steps (each its own module):
 
 Formats (``fmt``, chosen per model in config): "hermes" (Hermes / Qwen: ``<tool_call>\\n{"name": ...,
 "arguments": {...}}\\n</tool_call>``) and "glm" (GLM-4.5/4.7/5: ``<tool_call>name<arg_key>k</arg_key>
-<arg_value>v</arg_value></tool_call>``). Note: the detokenizer must keep the tags; GLM's are special tokens,
-so the glm format needs ``skip_special_tokens=False``.
+<arg_value>v</arg_value></tool_call>``). The detokenizer keeps the tags even where they are special tokens, as
+GLM's are (``services/edge/tokenizer.py`` ``KEPT_TAGS``).
 """
 
 from services.edge.tools.grammar import (
