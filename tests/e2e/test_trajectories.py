@@ -64,17 +64,26 @@ async def test_two_codex_turns_with_one_session_id_are_one_trajectory(nats_url, 
         other = await client.responses.create(model="tiny", input=TASK, max_output_tokens=6,
                                               extra_headers={"session-id": "another-run"})
         await client.responses.create(model="tiny", input="No session.", max_output_tokens=6)
-        await eventually(lambda: mesh.meterings[0].stats["inserted"] >= 5, 10)
+        keyed = await client.chat.completions.create(  # chat's prompt_cache_key alone names a run
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+            extra_body={"prompt_cache_key": "cache-key-run"})
+        opencode = await client.chat.completions.create(  # as OpenCode 1.18 sends its session (both headers)
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+            extra_headers={"x-session-id": "ses_opencode", "x-session-affinity": "ses_opencode"})
+        await eventually(lambda: mesh.meterings[0].stats["inserted"] >= 7, 10)
         rows = await ledger_rows(ledger_url)
         turns = [rows[r.id.removeprefix("resp_")] for r in (first, second, again)]
         assert [row.trajectory for row in turns] == [CODEX_SESSION] * 3
         assert rows[other.id.removeprefix("resp_")].trajectory == "another-run"
-        assert sorted(row.trajectory for row in rows.values()) == ["", *[CODEX_SESSION] * 3, "another-run"]
+        assert rows[keyed.id.removeprefix("chatcmpl-")].trajectory == "cache-key-run"
+        assert rows[opencode.id.removeprefix("chatcmpl-")].trajectory == "ses_opencode"
+        assert sorted(row.trajectory for row in rows.values()) == [
+            "", *[CODEX_SESSION] * 3, "another-run", "cache-key-run", "ses_opencode"]
         assert turns[0].worker_id == turns[1].worker_id == turns[2].worker_id  # the session kept its worker
         told = second.usage.input_tokens_details.cached_tokens
         assert turns[1].cached_tokens == told > 0  # the second turn read the first turn's prefix from the cache
         listed = {t["trajectory"]: t for t in await trajectories(ledger_url, "codex")}
-        assert set(listed) == {CODEX_SESSION, "another-run"}
+        assert set(listed) == {CODEX_SESSION, "another-run", "cache-key-run", "ses_opencode"}
         run = listed[CODEX_SESSION]
         assert (run["requests"], run["prompt_tokens"], run["cached_tokens"], run["completion_tokens"]) == (
             3, sum(r.usage.input_tokens for r in (first, second, again)),
