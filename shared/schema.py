@@ -474,6 +474,9 @@ class SamplingParams(Struct, frozen=True):
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    top_k: int = 0  # vLLM's: 0 (or -1) considers every token
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     structured: Structured | None = None  # grammar-constrained output (tool calls, response_format)
     thinking: Thinking | None = None  # a reasoning model's thought budget, closed by the engine
 

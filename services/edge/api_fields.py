@@ -26,6 +26,7 @@ import msgspec
 Treatment = Literal["honored", "ignored", "refused"]
 Endpoint = Literal["chat", "completions", "responses", "messages", "count_tokens"]
 REASONING = "reasoning models: see services/edge/reasoning.py"
+SAMPLED = "sampling (the vLLM engine's; the sim draws its tokens without any)"
 
 
 class Field(NamedTuple):
@@ -79,9 +80,9 @@ _SAMPLING: Table = {
 _VLLM: Table = {
     "ignore_eos": _h("generates max_tokens (benchmarks)"),
     "cache_salt": _h("the prefix cache is shared only by requests with the same salt"),
-    "top_k": _r("top-k sampling is not applied yet", -1, 0),
-    "min_p": _r("min-p sampling is not applied yet", 0, 0.0),
-    "repetition_penalty": _r("a repetition penalty is not applied yet", 1, 1.0),
+    "top_k": _h(SAMPLED),
+    "min_p": _h(SAMPLED),
+    "repetition_penalty": _h(SAMPLED),
     "length_penalty": _r("beam search only", 1, 1.0),
     "use_beam_search": _r("no beam search", False),
     "min_tokens": _r("a minimum length is not enforced yet", 0),
@@ -215,7 +216,7 @@ MESSAGES: Table = {
     "diagnostics": _i("Anthropic's diagnostics"),
     "fallbacks": _i("substitute models for a policy refusal; the models here refuse nothing by policy"),
     "fallback_credit_token": _i("Anthropic's billing of a retry"),
-    "top_k": _r("top-k sampling is not applied yet"),
+    "top_k": _h(SAMPLED),
     "container": _r("no code execution tool runs here"),
     "thread": _r("server-held conversation state is not kept: send the whole conversation"),
 }

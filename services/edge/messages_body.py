@@ -14,8 +14,8 @@ template, tool grammar and tool-call parser as chat; errors name the Messages bo
 - ``tools`` (``name`` / ``description`` / ``input_schema``; Anthropic's own tools, ``BUILT_IN``, are left out of
   the prompt and named in the response's ``x-infermesh-ignored-tools`` header; ``tool_choice`` naming one is a 400),
   ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none`` (``disable_parallel_tool_use``), ``stop_sequences``,
-  ``max_tokens`` (required), ``temperature``, ``top_p`` (older SDKs send them), ``metadata.user_id`` (the chat
-  request's ``user``), ``output_config.format`` (JSON outputs: chat's ``response_format``, the same grammar).
+  ``max_tokens`` (required), ``temperature``, ``top_p``, ``top_k`` (older SDKs send them), ``metadata.user_id``
+  (the chat request's ``user``), ``output_config.format`` (JSON outputs: chat's ``response_format``, the same grammar).
 - ``thinking`` (a reasoning model's, services/edge/reasoning.py): ``enabled`` with ``budget_tokens`` is the
   engine's thought budget, ``disabled`` turns thinking off (``enable_thinking: false`` to the template),
   ``adaptive`` leaves the thought unbounded; ``output_config.effort`` a budget (``EFFORT_BUDGETS``). A model
@@ -136,7 +136,7 @@ class _MessagesFields(_Body, kw_only=True):
     stop_sequences: list[str] | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    top_k: int | None = None
+    top_k: Annotated[int, Meta(ge=0, le=2**31 - 1)] | None = None  # 0: every token
     metadata: Metadata | None = None
     service_tier: str | None = None
     diagnostics: dict[str, Any] | None = None
@@ -159,8 +159,8 @@ def translate(body: bytes, context: bytes = b"") -> Translated:
     tools, choice, parallel = _tools(req)
     chat = ChatCompletionRequest(
         model=req.model, messages=messages, max_tokens=req.max_tokens, stream=req.stream,
-        temperature=req.temperature, top_p=req.top_p, stop=stop or None, tools=tools, tool_choice=choice,
-        parallel_tool_calls=parallel, user=req.metadata.user_id if req.metadata else None,
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, stop=stop or None, tools=tools,
+        tool_choice=choice, parallel_tool_calls=parallel, user=req.metadata.user_id if req.metadata else None,
         response_format=_response_format(req.output_config.format if req.output_config else None),
         **_reasoning(req))
     return Translated(chat, None, _Params(origins), tuple(dropped_tools(req)))

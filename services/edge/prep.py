@@ -168,7 +168,7 @@ def engine_sampling(sampling: Sampling, num_prompt: int, max_len: int, stop_toke
         max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
         stop_token_ids=[] if ignore_eos else stop_token_ids, presence_penalty=sampling.presence_penalty,
         frequency_penalty=sampling.frequency_penalty, ignore_eos=ignore_eos, structured=structured,
-        thinking=thinking,
+        thinking=thinking, top_k=sampling.top_k, min_p=sampling.min_p, repetition_penalty=sampling.repetition_penalty,
     )
 
 

@@ -36,6 +36,9 @@ from services.edge.tools import (
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+TopK = Annotated[int, Meta(ge=-1, le=2**31 - 1)]  # 0 or -1: every token (vLLM's)
+MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
+RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=100.0)]
 PositiveInt = Annotated[int, Meta(ge=1, le=2**31 - 1)]
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # what the engines and the bus carry (int64)
 Count = Annotated[int, Meta(ge=0, le=2**31 - 1)]
@@ -85,6 +88,9 @@ class _Common(Struct, kw_only=True, forbid_unknown_fields=True):
     seed: Seed | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
+    top_k: TopK | None = None  # vLLM's sampling extensions
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     user: str | None = None
     logprobs: bool | int | None = None
     ignore_eos: bool = False  # vLLM's extension (extra_body): generate max_tokens, for benchmarks
@@ -147,6 +153,9 @@ class Sampling:
     presence_penalty: float
     frequency_penalty: float
     ignore_eos: bool = False
+    top_k: int = 0  # every token
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 _PATH = re.compile(r"at `\$(.*?)`")
@@ -251,6 +260,9 @@ def _check_common(req: _Common, table: Table) -> Sampling:
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         ignore_eos=req.ignore_eos,
+        top_k=max(req.top_k or 0, 0),
+        min_p=req.min_p or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
     )
 
 

@@ -150,7 +150,8 @@ OPENAI = {
     "tool_choice": ("auto", {"tools": [FUNCTION]}), "parallel_tool_calls": (False, {"tools": [FUNCTION]}),
     "response_format": {"type": "json_object"}, "reasoning_effort": "low",
     "chat_template_kwargs": {"enable_thinking": False}, "thinking_token_budget": 64, "include_reasoning": False,
-    "verbosity": "low", "prediction": {"type": "content", "content": "x"}, "prompt": "hi",
+    "verbosity": "low", "prediction": {"type": "content", "content": "x"}, "prompt": "hi", "top_k": 5, "min_p": 0.1,
+    "repetition_penalty": 1.1,
 }
 RESPONSES = {
     "model": "m", "input": "hi", "instructions": "be brief", "tool_choice": "auto", "parallel_tool_calls": False,
@@ -176,14 +177,14 @@ ANTHROPIC = {
     "mcp_servers": [{"type": "url", "url": "https://mcp.example", "name": "x"}], "max_tokens": 8, "stream": True,
     "stop_sequences": ["\n"], "temperature": 0.5, "top_p": 0.9, "metadata": {"user_id": "u"},
     "service_tier": "auto", "inference_geo": "us", "diagnostics": {}, "fallbacks": [{"model": "other"}],
-    "fallback_credit_token": "t", "output_format": {"type": "json_schema", "schema": SCHEMA},
+    "fallback_credit_token": "t", "output_format": {"type": "json_schema", "schema": SCHEMA}, "top_k": 5,
 }
 EXAMPLES = {"chat": OPENAI, "completions": OPENAI, "responses": RESPONSES, "messages": ANTHROPIC,
             "count_tokens": ANTHROPIC}
 # a value each refused field is refused with (its accepted values are tried too)
 REFUSED = {
-    "n": 2, "logprobs": True, "logit_bias": {"50": -100}, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2,
-    "length_penalty": 0.5, "use_beam_search": True, "min_tokens": 4, "stop_token_ids": [7], "bad_words": ["x"],
+    "n": 2, "logprobs": True, "logit_bias": {"50": -100}, "length_penalty": 0.5, "use_beam_search": True,
+    "min_tokens": 4, "stop_token_ids": [7], "bad_words": ["x"],
     "allowed_token_ids": [1], "include_stop_str_in_output": True, "skip_special_tokens": False,
     "spaces_between_special_tokens": False, "prompt_logprobs": 1, "return_tokens_as_token_ids": True,
     "return_token_ids": True, "truncate_prompt_tokens": 8, "guided_json": SCHEMA, "guided_regex": "a+",
@@ -301,3 +302,32 @@ def test_a_field_the_spec_lets_be_null_may_be_null():
         assert len(nullable) >= 5, (endpoint, nullable)  # the walk finds them
         for name in sorted(nullable):
             _through_the_edge(endpoint, {**MINIMAL[endpoint], name: None})
+
+
+def _sampling(endpoint: str, **fields):
+    """What ``fields`` make of the engine's sampling parameters, through the edge's parsers and prep.py."""
+    from services.edge.prep import engine_sampling
+
+    raw = json.dumps({**MINIMAL[endpoint], **fields}).encode()
+    chat = parse_body(raw, ChatCompletionRequest) if endpoint == "chat" else messages_body.translate(raw).body
+    return engine_sampling(validate_chat(chat)[1], 10, 100, [2])
+
+
+def test_vllms_sampling_extensions_and_anthropics_top_k_reach_the_engine():
+    chosen = _sampling("chat", top_k=5, min_p=0.1, repetition_penalty=1.1)
+    assert (chosen.top_k, chosen.min_p, chosen.repetition_penalty) == (5, 0.1, 1.1)
+    unset = _sampling("chat", top_k=-1)
+    assert (unset.top_k, unset.min_p, unset.repetition_penalty) == (0, 0.0, 1.0)
+    assert _sampling("messages", top_k=3).top_k == 3
+
+
+@pytest.mark.vllm
+def test_the_vllm_engine_samples_with_them():
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from services.worker.engines.vllm_engine import VllmEngine
+
+    engine = SimpleNamespace(config=SimpleNamespace(budget_closing=False))
+    vllm = VllmEngine._sampling(engine, _sampling("chat", top_k=5, min_p=0.1, repetition_penalty=1.1))
+    assert (vllm.top_k, vllm.min_p, vllm.repetition_penalty) == (5, 0.1, 1.1)

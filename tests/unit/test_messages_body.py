@@ -77,7 +77,7 @@ def test_tools_and_every_tool_choice():
 
 
 @pytest.mark.parametrize(("fields", "param", "says"), [
-    ({"top_k": 5}, "top_k", "top_k"),
+    ({"top_k": -1}, "top_k", ">= 0"),
     ({"stop_sequences": ["a", "b", "c", "d", "e"]}, "stop_sequences", "At most 4"),
     ({"temperature": 1.5}, "temperature", "<= 1.0"),
     ({"logit_bias": {}}, "logit_bias", "logit_bias: Extra inputs are not permitted"),

@@ -292,6 +292,7 @@ class VllmEngine(Engine):
             max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             seed=sampling.seed, stop_token_ids=list(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
             presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
+            top_k=sampling.top_k, min_p=sampling.min_p, repetition_penalty=sampling.repetition_penalty,
             detokenize=False, output_kind=RequestOutputKind.DELTA,
             structured_outputs=structured_outputs, extra_args=extra_args,
         )
