@@ -162,6 +162,7 @@ def translate(body: bytes, context: bytes = b"") -> Translated:
              "metadata": req.metadata or {}, "user": req.user, "store": req.store is not False,
              "truncation": req.truncation or "disabled", "input_items": items,
              "previous_response_id": req.previous_response_id,
+             "reasoning": {"effort": _effort(req.reasoning), "summary": (req.reasoning or {}).get("summary")},
              "tool_namespaces": namespaces(req.tools)}
     return Translated(chat, extra, _Params(origins, calls), tuple(dropped))
 

@@ -183,6 +183,7 @@ async def test_responses_reasoning_items(mesh, chat):
     assert [item.type for item in whole.output] == ["reasoning"] and whole.status == "incomplete"
     assert whole.output[0].content[0].type == "reasoning_text" and whole.output[0].content[0].text
     assert whole.usage.output_tokens_details.reasoning_tokens == 12
+    assert (whole.reasoning.effort, whole.reasoning.summary) == ("low", None)  # as asked
     kinds, final = [], None
     async with chat.responses.stream(model="glm", input=ASK, max_output_tokens=12,
                                      reasoning={"effort": "low"}) as stream:

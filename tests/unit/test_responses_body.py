@@ -131,7 +131,7 @@ def test_the_extra_dict_has_the_defaults_and_echoes_what_was_sent():
         "instructions": None, "tools": [], "tool_choice": "auto", "parallel_tool_calls": True,
         "text": {"format": {"type": "text"}}, "temperature": None, "top_p": None, "max_output_tokens": None,
         "metadata": {}, "user": None, "store": True, "truncation": "disabled", "previous_response_id": None,
-        "tool_namespaces": {},
+        "tool_namespaces": {}, "reasoning": {"effort": None, "summary": None},
         "input_items": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}
     out = translate(body(instructions="i", tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
                          temperature=0.2, top_p=0.5, max_output_tokens=7, metadata={"a": "b"}, user="u",
@@ -141,7 +141,7 @@ def test_the_extra_dict_has_the_defaults_and_echoes_what_was_sent():
         "instructions": "i", "tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False,
         "text": {"format": {"type": "text"}}, "temperature": 0.2, "top_p": 0.5, "max_output_tokens": 7,
         "metadata": {"a": "b"}, "user": "u", "store": False, "truncation": "auto", "previous_response_id": None,
-        "tool_namespaces": {}}
+        "tool_namespaces": {}, "reasoning": {"effort": None, "summary": None}}
     assert len(extra["input_items"]) == len(ROUND_TRIP)
     assert extra["input_items"][0] == {"type": "message", "role": "developer",
                                        "content": [{"type": "input_text", "text": "use tools"}]}

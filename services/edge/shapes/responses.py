@@ -150,7 +150,8 @@ class ResponsesShape:
                 "completed_at": int(time.time()) if status == "completed" else None, "error": error,
                 "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "model": self.model,
                 "output": [dict(item) for item in self.items.items],
-                "reasoning": {"effort": None, "summary": None}, "store": self.keep is not None, "background": False,
+                "reasoning": self.echo.get("reasoning") or {"effort": None, "summary": None},
+                "store": self.keep is not None, "background": False,
                 "usage": responses_usage(done, self.output.reasoning_tokens) if done is not None else None,
                 **{key: self.echo.get(key) for key in ECHOED}}
 
