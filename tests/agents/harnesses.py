@@ -163,10 +163,12 @@ def scratch_repo(folder: Path, h: Harness) -> Path:
 
 
 def run_harness(h: Harness, repo: Path, home: Path, base_url: str, key: str, model: str,
-                timeout_s: float) -> subprocess.CompletedProcess[str]:
-    """Run ``h`` headless in ``repo`` with its own HOME; its environment is PATH and what it is configured with."""
+                timeout_s: float, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``h`` headless in ``repo`` with its own HOME; its environment is PATH, what it is configured with and
+    ``extra_env``."""
     home.mkdir(parents=True, exist_ok=True)
     run = h.configure(repo, home, base_url, key, model)
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "TERM": "dumb", **run.env}
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "TERM": "dumb", **run.env,
+           **(extra_env or {})}
     return subprocess.run(run.argv, cwd=run.cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                           timeout=timeout_s)

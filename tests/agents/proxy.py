@@ -26,6 +26,7 @@ class Exchange:
     request_id: str = ""  # the edge's x-request-id
     content_type: str = ""
     response: bytes = b""
+    client_left: bool = False  # the client closed the connection before the response ended
 
 
 @dataclass
@@ -85,11 +86,15 @@ class RecordingProxy:
         handler.send_header("connection", "close")
         handler.end_headers()
         chunks = []
-        while chunk := reply.read1(65536):
-            chunks.append(chunk)
-            handler.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-            handler.wfile.flush()
-        handler.wfile.write(b"0\r\n\r\n")
-        handler.close_connection = True
-        exchange.response = b"".join(chunks)
-        upstream.close()
+        try:
+            while chunk := reply.read1(65536):
+                chunks.append(chunk)
+                handler.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                handler.wfile.flush()
+            handler.wfile.write(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):  # the harness hung up (e.g. a title it no longer needs):
+            exchange.client_left = True  # closing upstream below aborts the request at the edge, as a direct one
+        finally:
+            handler.close_connection = True
+            exchange.response = b"".join(chunks)
+            upstream.close()

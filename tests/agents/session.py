@@ -44,14 +44,15 @@ class AgentMesh:
     root: Path  # scratch repositories and homes: <root>/<harness>/{repo,home}
     ledger: Path
 
-    def run(self, harness: Harness, timeout_s: float = 300) -> AgentRun:
-        """Run ``harness`` headless through the proxy in a fresh repository (the one the sim script names)."""
+    def run(self, harness: Harness, timeout_s: float = 300, env: dict[str, str] | None = None) -> AgentRun:
+        """Run ``harness`` headless through the proxy in a fresh repository (the one the sim script names), with
+        ``env`` over its own environment."""
         repo = scratch_repo(self.root / harness.name / "repo", harness)
         home = self.root / harness.name / "home"
         shutil.rmtree(home, ignore_errors=True)
         first = len(self.proxy.exchanges)
         started = time.monotonic()
-        process = run_harness(harness, repo, home, self.proxy.url, self.up.key, MODEL, timeout_s)
+        process = run_harness(harness, repo, home, self.proxy.url, self.up.key, MODEL, timeout_s, env)
         return AgentRun(harness, repo, home, process, self.proxy.exchanges[first:], time.monotonic() - started)
 
     def billed(self, request_ids: list[str]) -> dict[str, int]:
@@ -60,6 +61,13 @@ class AgentMesh:
             marks = ",".join("?" * len(request_ids))
             return dict(db.execute(f"SELECT request_id, COUNT(*) FROM usage WHERE request_id IN ({marks}) "
                                    "GROUP BY request_id", request_ids).fetchall())
+
+    def completion_tokens(self, request_ids: list[str]) -> dict[str, int]:
+        """The output tokens the ledger billed each request (the engine's own count)."""
+        with sqlite3.connect(self.ledger) as db:
+            marks = ",".join("?" * len(request_ids))
+            return dict(db.execute(f"SELECT request_id, SUM(completion_tokens) FROM usage WHERE request_id IN "
+                                   f"({marks}) GROUP BY request_id", request_ids).fetchall())
 
     def trajectories(self, request_ids: list[str]) -> set[str | None]:
         with sqlite3.connect(self.ledger) as db:

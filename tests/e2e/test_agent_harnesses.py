@@ -57,6 +57,7 @@ def check_tool_loop(agents: AgentMesh, run: AgentRun) -> None:
     assert all(ids) and len(set(ids)) == len(ids)
     billed = wait_billed(agents, ids)
     assert billed == {rid: 1 for rid in ids}, billed
+    assert all(agents.completion_tokens(ids).values()), agents.completion_tokens(ids)
     trajectories = agents.trajectories(ids)
     assert len(trajectories) == 1 and None not in trajectories, trajectories
     print(f"{h.name} {h.version}: {len(requests)} requests, {run.seconds:.1f} s")

@@ -1,0 +1,73 @@
+"""One real turn of each agent harness (Claude Code, Codex CLI, OpenCode) on ``infermesh up --engine vllm`` (vLLM
+CPU, the tiny random model made at test time): the harness's first request, its ~20K-token system prompt and tools
+included, is accepted, prefilled and streamed by a real engine, and the harness exits cleanly with the model's
+answer. The answers are noise (random weights); the turn is what is checked. One mesh for the module.
+
+The tiny model says 2,048 positions; its copy here says more (RoPE runs past them; the weights are random
+anyway), so that Claude Code's first request (~46K tokens of the tiny vocabulary) fits."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tests.agents.harnesses import CLAUDE, CODEX, HARNESSES, OPENCODE, Harness
+from tests.agents.session import AgentMesh, AgentRun, agent_mesh, wait_billed
+from tests.e2e.test_agent_harnesses import generate_requests
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
+MAX_MODEL_LEN = 100_000
+# answers short enough for a CPU engine: Claude Code's max_tokens, OpenCode's limit.output (opencode.json);
+# Codex sends none (the edge allows up to the context; the random model's end-of-text token ends it first)
+ENV = {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64"}
+
+
+@pytest.fixture(scope="module")
+def mesh(nats_url, tiny_model, tmp_path_factory):
+    pytest.importorskip("vllm")
+    if not any(h.installed() for h in HARNESSES.values()):
+        pytest.skip("no agent harness installed in tests/agents/node_modules (./scripts/test runs npm install there)")
+    root = tmp_path_factory.mktemp("agents-vllm")
+    model = shutil.copytree(tiny_model, root / "tiny-long")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": MAX_MODEL_LEN}))
+    with agent_mesh(root, model, "vllm", nats_url, max_model_len=MAX_MODEL_LEN) as agents:
+        yield {"up": agents.up, "mesh": agents}
+
+
+def one_turn(mesh: dict, harness: Harness) -> AgentRun:
+    if not harness.installed():
+        pytest.skip(f"{harness.binary} is not installed in tests/agents/node_modules (npm install there)")
+    agents: AgentMesh = mesh["mesh"]
+    run = agents.run(harness, timeout_s=400, env=ENV)
+    process = run.process
+    output = f"exit {process.returncode}\nstdout:\n{process.stdout[-3000:]}\nstderr:\n{process.stderr[-3000:]}"
+    assert process.returncode == 0, output
+    requests = generate_requests(run)
+    assert requests and all(e.status == 200 for e in requests), [(e.path, e.status, e.response[:300])
+                                                                 for e in requests]
+    assert all(e.content_type.startswith("text/event-stream") for e in requests)
+    ids = [e.request_id for e in requests]
+    assert wait_billed(agents, ids) == {rid: 1 for rid in ids}
+    # the engine really answered: a request that ends with no token at all (as when vLLM fails to compile the
+    # request's grammar and finishes it empty) is no turn
+    produced = agents.completion_tokens(ids)
+    assert any(produced.values()), (produced, [e.response[-600:] for e in requests])
+    print(f"{harness.name} {harness.version} on vLLM: {len(requests)} requests, {run.seconds:.1f} s")
+    return run
+
+
+def test_claude_code_turn_on_vllm(mesh):
+    run = one_turn(mesh, CLAUDE)
+    result = json.loads(run.process.stdout)
+    assert result["type"] == "result" and not result["is_error"], result
+
+
+def test_codex_turn_on_vllm(mesh):
+    one_turn(mesh, CODEX)
+
+
+def test_opencode_turn_on_vllm(mesh):
+    one_turn(mesh, OPENCODE)
