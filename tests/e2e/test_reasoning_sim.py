@@ -33,14 +33,20 @@ def glm_model(tiny_model, tmp_path_factory):
     return make_thinking_model(tiny_model, tmp_path_factory.mktemp("models") / "glm-think", "glm")
 
 
+@pytest.fixture(scope="session")
+def qwen_model(tiny_model, tmp_path_factory):
+    return make_thinking_model(tiny_model, tmp_path_factory.mktemp("models") / "qwen-think", "qwen3")
+
+
 @pytest.fixture
-async def mesh(nats_url, namespace, glm_model):
+async def mesh(nats_url, namespace, glm_model, qwen_model, tiny_model):
     mesh = LocalMesh(nats_url, namespace, dev_key=KEY)
     await mesh.start_router()
     await mesh.start_admission()
-    await mesh.start_worker(worker_id="sim-0", engine="sim", model="glm", model_path=str(glm_model),
-                            max_model_len=1024, sim_ttft_ms=5, sim_itl_ms=1)
-    await mesh.start_edge(reasoning_parser="glm45")
+    for name, path in (("glm", glm_model), ("qwen", qwen_model), ("tiny", tiny_model)):
+        await mesh.start_worker(worker_id=f"sim-{name}", engine="sim", model=name, model_path=str(path),
+                                max_model_len=1024, sim_ttft_ms=5, sim_itl_ms=1)
+    await mesh.start_edge(reasoning_parser="glm45", reasoning_parsers="qwen=qwen3,tiny=none")
     await eventually(mesh.edge.mesh.is_ready, 10)
     await eventually(lambda: any(a.leadership.is_leader for a in mesh.admissions), 10)
     yield mesh
@@ -52,14 +58,17 @@ def chat(mesh):
     return openai.AsyncOpenAI(base_url=mesh.base_url, api_key=KEY, max_retries=0)
 
 
-async def expected(mesh, messages, budget: int, max_tokens: int, **template) -> tuple[str, str, list[int]]:
+async def expected(mesh, messages, budget: int, max_tokens: int, model: str = "glm") -> tuple[str, str, list[int]]:
     """The thought and answer the sim gives ``messages`` when the engine closes the thought after ``budget``
-    tokens: its draws, with ``</think>`` written in (no draw taken for it), split where the template left off."""
-    tokenizer = await mesh.edge.mesh.tokenizer(mesh.edge.mesh.model_info("glm"))
-    prompt = tokenizer.chat_ids(messages, template or None).tolist()
+    tokens: its draws, with ``</think>`` written in (no draw taken for it), up to a stop token, split where the
+    template left off."""
+    tokenizer = await mesh.edge.mesh.tokenizer(mesh.edge.mesh.model_info(model))
+    prompt = tokenizer.chat_ids(messages).tolist()
     draws = sim_token_ids(prompt, None, max_tokens)
     end = tokenizer.encode("</think>", add_special_tokens=False)
     output = (draws[:budget] + end + draws[budget:])[:max_tokens]
+    stops = [i for i, token in enumerate(output) if token in tokenizer.stop_token_ids]
+    output = output[:stops[0] + 1] if stops else output
     thought, _, answer = tokenizer.decode(output).partition("</think>")
     return thought, answer.lstrip("\n"), output
 
@@ -86,6 +95,25 @@ async def test_chat_separates_the_thought_and_the_budget_closes_it(mesh, chat):
             assert "</think>" not in texts[-1] + thoughts[-1]
     assert ("".join(thoughts), "".join(texts)) == (thought, answer)
     assert usage.completion_tokens_details.reasoning_tokens == 6
+
+
+async def test_the_parser_is_chosen_per_model(mesh, chat):
+    """qwen: a Qwen3-style template ("<think>\\n" opens the thought); tiny: no parser, its text is all answer.
+    (Qwen's <|im_end|> is in the prompt, so the sim may draw it and stop: this prompt's first draws hold none.)"""
+    story = "Once upon a time there was a little model that could only say a few words."
+    messages = [{"role": "user", "content": story}]
+    thought, answer, output = await expected(mesh, messages, 3, 14, "qwen")
+    assert len(output) == 14 and thought and answer
+    reply = await chat.chat.completions.create(model="qwen", messages=messages, max_tokens=14,
+                                               extra_body={"thinking_token_budget": 3})
+    assert (reply.choices[0].message.reasoning_content, reply.choices[0].message.content or "") == (thought, answer)
+    assert reply.usage.completion_tokens == len(output) and reply.usage.completion_tokens_details.reasoning_tokens == 4
+    tokenizer = await mesh.edge.mesh.tokenizer(mesh.edge.mesh.model_info("tiny"))
+    plain = await chat.chat.completions.create(model="tiny", messages=messages, max_tokens=8,
+                                               extra_body={"thinking_token_budget": 3})
+    assert plain.choices[0].message.content == tokenizer.decode(
+        sim_token_ids(tokenizer.chat_ids(messages).tolist(), None, 8))
+    assert plain.usage.completion_tokens_details is None
 
 
 async def test_reasoning_effort_and_thinking_off(mesh, chat):
