@@ -177,7 +177,8 @@ class EdgeApi:
         headers = _trace_headers(request_id, span)
         if prepared.ignored_tools:  # built-in tools the mesh cannot run: left out of the prompt, and said so
             headers["x-infermesh-ignored-tools"] = ",".join(prepared.ignored_tools)
-        events = _thought_counted(events, shape, prepared, run.output)
+        if prepared.reasoning is not None:  # a reasoning model's: its thought's tokens counted at the end
+            events = _thought_counted(events, shape, prepared, run.output)
         if stream:  # where the first token came from (a migration may move the rest elsewhere)
             return SseReply(self._sse_body(first, events, shape, span),
                             {"x-infermesh-deployment": run.deployment or self.mesh.local.name, **headers})
