@@ -90,7 +90,7 @@ class ChatShape:
 
     def text(self, delta: str) -> bytes:
         """SSE events for a text delta: as it is, or what the tool-call parser makes of it (maybe nothing yet)."""
-        if self.kind != "chat":
+        if self.kind != "chat" or (self.parser is None and self.output.thinker is None):  # the common path: as is
             return sse_data(self.chunk(delta, None))
         return self._delta_events(self.output.feed(delta))
 
