@@ -144,7 +144,8 @@ COMPLETIONS: Table = {
 
 RESPONSES: Table = {
     "model": _h("the served model (or a deployment) it names"),
-    "input": _h("messages, function calls and their outputs (text); reasoning items are dropped"),
+    "input": _h("messages, function calls and their outputs (text); a reasoning item's text is the next "
+                "assistant turn's thought (reasoning.py)"),
     "instructions": _h("the leading system message"),
     "tools": _h("function tools and namespaces' functions; built-in tools are left out (x-infermesh-ignored-tools)"),
     "tool_choice": _h("auto / none / required / a named function"),
@@ -196,8 +197,9 @@ _MESSAGES_COMMON: Table = {
     "speed": _i("one speed here"),
     "user_profile_id": _i("labels the request"),
     "workspace_id": _i("labels the request"),
-    "context_management": _i("clear_thinking: thoughts never re-enter the prompt here; clear_tool_uses past a "
-                             "token threshold: the context is sent whole (over the model's length: a 400)"),
+    "context_management": _i("clear_thinking: thoughts sent back reach the chat template, which keeps only "
+                             "the current turn's (GLM, Qwen3); clear_tool_uses past a token threshold: the "
+                             "context is sent whole (over the model's length: a 400)"),
     "billing_policy": _i("who is billed at Anthropic; the API key's team is billed here"),
     "mcp_servers": _i("MCP servers Anthropic would call; none is called here (x-infermesh-ignored-tools)"),
     "compaction": _r("a compaction request asks for a summary, not a turn"),
