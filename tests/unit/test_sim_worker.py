@@ -163,3 +163,23 @@ def test_a_resumed_request_goes_on_as_the_undisturbed_one(cut: int) -> None:
     other.add(resumed, seed=5, resumed=cut)
     assert [t for _, t in run(other)[1]] == whole[cut:]
     assert resumed.finish_reason == "length"
+
+
+@pytest.mark.parametrize("cut", [2, 4, 5, 11])
+def test_a_thought_budget_closes_the_thought_and_a_resumed_request_replays_it(cut: int) -> None:
+    """The sim writes </think> (999) after 4 thought tokens, in place of a draw: the draws after it are the ones the
+    request would have made; a migrated request (cut before, at or after the close) makes exactly the rest."""
+    from services.worker.engines.thinking import ThoughtBudget
+    from shared.schema import Thinking
+
+    prompt, thinking = list(range(40, 90)), Thinking(4, [999], open=True)
+    plain, thought = worker(), worker()
+    plain.add(SimRequest("a", prompt, 15), seed=5)
+    thought.add(SimRequest("a", prompt, 16), seed=5, thought=ThoughtBudget(thinking))
+    draws = [t for _, t in run(plain)[1]]
+    whole = [t for _, t in run(thought)[1]]
+    assert whole == draws[:4] + [999] + draws[4:]
+    other = worker()
+    resumed = SimRequest("b", prompt + whole[:cut], 16 - cut)
+    other.add(resumed, seed=5, resumed=cut, thought=ThoughtBudget(thinking))
+    assert [t for _, t in run(other)[1]] == whole[cut:]
