@@ -59,10 +59,6 @@ def one_turn(mesh: dict, harness: Harness) -> AgentRun:
     return run
 
 
-# Claude Code's SendMessage tool has a string of maxLength 200, which the edge's grammar writes as the pattern
-# [^...]{0,200}; vLLM's xgrammar 0.2.8 compiler (its cache on) fails on a repetition bound that high ("Check failed:
-# per_rule_fsm_hashes[...]") and vLLM ends the request with no token. Strict: this fails once that is fixed.
-@pytest.mark.xfail(strict=True, reason="vLLM's xgrammar cannot compile Claude Code's tool grammar ({0,200} pattern)")
 def test_claude_code_turn_on_vllm(mesh):
     run = one_turn(mesh, CLAUDE)
     result = json.loads(run.process.stdout)
