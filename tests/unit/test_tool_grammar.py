@@ -156,6 +156,27 @@ def test_string_length_bounds_reach_the_grammar_as_a_pattern_xgrammar_compiles_c
         "type": "string", "maxLength": 3, "enum": ["ab"]}  # an enum already says exactly what is allowed
 
 
+@pytest.mark.parametrize("fmt", ["hermes", "glm"])
+@pytest.mark.parametrize("bounds", [(0, 200), (150, 1000), (300, None), (0, 129)])
+def test_long_length_bounds_compile_with_xgrammars_cache_on_as_vllm_runs_it(fmt, bounds):
+    """Claude Code's SendMessage tool has a string of maxLength 200: written as ``C{0,200}`` the pattern failed
+    xgrammar 0.2.8's compiler with its cache on ("Check failed: per_rule_fsm_hashes"), which vLLM always turns
+    on, and vLLM ended the request with no token. Counted repetitions are now at most 128 each."""
+    low, high = bounds
+    schema = {"type": "string", "minLength": low, **({} if high is None else {"maxLength": high})}
+    vocab = [chr(c) for c in range(32, 127)] + ["<eos>"]
+    compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo(vocab, stop_token_ids=[len(vocab) - 1]),
+                                        cache_enabled=True)
+    compiled = compiler.compile_json_schema(json.dumps(grammar_schema(schema, fmt)), any_whitespace=False)
+    quoted = fmt == "hermes"
+    for n in {low, max(low - 1, 0), min(low + 1, high or low + 1), high or low + 300}:
+        text = "b" * n
+        matcher = xgrammar.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        fits = low <= n and (high is None or n <= high)
+        accepted = matcher.accept_string(f'"{text}"' if quoted else json.dumps(text))
+        assert (accepted and matcher.is_terminated()) == fits, (n, grammar_schema(schema, fmt))
+
+
 def test_a_glm_length_bounded_value_holds_no_end_tag_and_no_edge_whitespace():
     """Under glm a maxLength string (a pattern) admitted ``</arg_value>`` as text: closing wrote it until the
     maxLength (``<arg_value></arg_value></arg_value>...``) and the parser cut the value at the first one. And

@@ -206,8 +206,28 @@ def grammar_schema(schema: Any, fmt: str = "hermes") -> Any:
         if fmt == "glm":
             out["pattern"] = _glm_length_pattern(low, high)
         else:
-            out["pattern"] = '^[^\\x00-\\x1f"\\\\]{%d,%s}$' % (low, "" if high is None else high)
+            out["pattern"] = "^%s$" % repeat('[^\\x00-\\x1f"\\\\]', low, high)
     return out
+
+
+MAX_REPEAT = 128  # the largest {m,n} bound xgrammar 0.2.8 compiles with its cache on (vLLM's: always on)
+
+
+def repeat(char_class: str, low: int, high: int | None) -> str:
+    """A regex for ``low``..``high`` (None: no bound) characters of ``char_class``, its counted repetitions at most
+    ``MAX_REPEAT``: with its grammar cache on, xgrammar 0.2.8 fails to compile ``C{0,200}`` ("Check failed:
+    per_rule_fsm_hashes") and vLLM then ends the request with no token. ``C{0,128}C{0,72}`` is the same language."""
+    parts = []
+    if high is None:
+        while low > MAX_REPEAT:
+            parts.append("%s{%d}" % (char_class, MAX_REPEAT))
+            low -= MAX_REPEAT
+        return "".join(parts) + "%s{%d,}" % (char_class, low)
+    while high > MAX_REPEAT:
+        take = min(low, MAX_REPEAT)
+        parts.append("%s{%d,%d}" % (char_class, take, MAX_REPEAT))
+        low, high = low - take, high - MAX_REPEAT
+    return "".join(parts) + "%s{%d,%d}" % (char_class, low, high)
 
 
 def _glm_length_pattern(low: int, high: int | None) -> str:
@@ -216,10 +236,10 @@ def _glm_length_pattern(low: int, high: int | None) -> str:
     inner, edge = '[^\\x00-\\x1f"\\\\<]', '[^\\x00-\\x20"\\\\<]'
     if high is not None and high < 2:
         return "^$" if high <= 0 else ("^%s$" % edge if low >= 1 else "^%s?$" % edge)
-    span = "{%d,%s}" % (max(low - 2, 0), "" if high is None else high - 2)
+    middle = repeat(inner, max(low - 2, 0), None if high is None else high - 2)
     if low >= 2:
-        return "^%s%s%s%s$" % (edge, inner, span, edge)
-    body = "%s(%s%s%s)?" % (edge, inner, span, edge)
+        return "^%s%s%s$" % (edge, middle, edge)
+    body = "%s(%s%s)?" % (edge, middle, edge)
     return "^%s$" % body if low == 1 else "^(%s)?$" % body
 
 

@@ -41,7 +41,7 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterator, Sequence
+from typing import Any, AsyncIterator, Iterator, Literal, Sequence
 
 from services.worker.engines.base import (
     Engine,
@@ -326,15 +326,13 @@ class VllmEngine(Engine):
                 token_ids = list(completion.token_ids)
                 state.num_output_tokens += len(token_ids)
                 if out.finished:
-                    reason = completion.finish_reason or "stop"
-                    if request_id in self._aborted:
-                        reason = "abort"
+                    reason = "abort" if request_id in self._aborted else finish_reason(completion.finish_reason)
                     handle = None
                     if remote_decode and out.kv_transfer_params and reason != "abort":
                         handle = KvTransfer(self.config.worker_id, request_id, len(prompt_token_ids),
                                             dict(out.kv_transfer_params))
-                    yield EngineOutput(token_ids, reason if reason in ("stop", "length", "abort") else "stop",
-                                       len(prompt_token_ids), num_cached, handle, _timings(out.metrics))
+                    yield EngineOutput(token_ids, reason, len(prompt_token_ids), num_cached, handle,
+                                       _timings(out.metrics))
                     return
                 if token_ids:
                     yield EngineOutput(token_ids, None, len(prompt_token_ids), num_cached)
@@ -452,6 +450,19 @@ async def _rejections_as(stream: AsyncIterator[Any], rejection: type[Exception])
             yield item
     except rejection as exc:
         raise EngineRequestError(str(exc)) from exc
+
+
+class EngineFinishedWithError(RuntimeError):
+    """vLLM finished the request with its ``error`` reason: a grammar it could not compile, a KV load that failed."""
+
+
+def finish_reason(vllm_reason: str | None) -> Literal["stop", "length", "abort"]:
+    """vLLM's finish reason as the worker's: ``error`` raises (the edge retries elsewhere or answers an error; it
+    was once passed on as ``stop``, an empty answer that looked complete), ``repetition`` is a stop."""
+    if vllm_reason == "error":
+        raise EngineFinishedWithError("vLLM finished the request with an error (a grammar it could not compile, "
+                                      "or a KV load that failed)")
+    return vllm_reason if vllm_reason in ("length", "abort") else "stop"  # type: ignore[return-value]
 
 
 def _timings(stats: Any) -> EngineTimings | None:
