@@ -15,8 +15,8 @@ An agent run (a trajectory) is many requests. Each harness names it its own way 
 
 The first one present wins, in ``PRECEDENCE`` order: headers a client sets on purpose before body fields that
 also mean other things. Codex's session-id ranks above its thread-id, so a run's sub-agents bill to the run.
-A session id longer than ``MAX_TRAJECTORY`` is refused (400 naming where it came from), never cut: two
-sessions must not merge. The router scopes it by team (affinity), so a guessed id pins nothing of another team.
+A session id longer than ``MAX_TRAJECTORY``, or holding a control character, is refused (400 naming where it
+came from), never cut or cleaned: two sessions must not merge. The router scopes it by team (affinity), so a guessed id pins nothing of another team.
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ PRECEDENCE: tuple[SessionSource, ...] = get_args(SessionSource)  # first present
 HEADERS: tuple[SessionSource, ...] = PRECEDENCE[:5]
 # Claude Code before its JSON user id: "user_<device hash>_account_<uuid or empty>_session_<uuid>"
 _LEGACY_USER_ID = re.compile(r"^user_[0-9a-f]+_account_[0-9a-f-]*_session_([0-9a-f-]+)$")
+MAX_USER_ID_JSON = 1024  # Claude Code's is ~150 characters; a longer one is not parsed (it runs on the event loop)
+# control characters: Postgres refuses NUL in text (the usage would be dead-lettered: served, never billed), and
+# none belongs in an id that traces and the dashboard show
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,9 +53,11 @@ def embedded_session(user_id: str | None) -> str | None:
     if not user_id:
         return None
     if user_id.startswith("{"):
+        if len(user_id) > MAX_USER_ID_JSON:
+            return None
         try:
             value = json.loads(user_id)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         session = value.get("session_id") if isinstance(value, dict) else None
         return session if isinstance(session, str) and session else None
@@ -75,7 +81,8 @@ def candidates(headers: Mapping[str, str], prompt_cache_key: str | None, user: s
 
 def session_of(headers: Mapping[str, str], prompt_cache_key: str | None = None, user: str | None = None,
                session_from_user: bool = False) -> Session | None:
-    """The request's one session id (the first candidate in ``PRECEDENCE``), or None; ApiError 400 when too long."""
+    """The request's one session id (the first candidate in ``PRECEDENCE``), or None; ApiError 400 when too long
+    or holding a control character."""
     found = candidates(headers, prompt_cache_key, user, session_from_user)
     for source in PRECEDENCE:
         value = found.get(source)
@@ -83,6 +90,8 @@ def session_of(headers: Mapping[str, str], prompt_cache_key: str | None = None, 
             if len(value) > MAX_TRAJECTORY:
                 raise errors.invalid_request(f"The session id ({source}) is longer than {MAX_TRAJECTORY} characters.",
                                              _PARAM[source])
+            if _CONTROL.search(value):
+                raise errors.invalid_request(f"The session id ({source}) holds a control character.", _PARAM[source])
             return Session(value, source)
     return None
 

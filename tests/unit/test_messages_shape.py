@@ -49,6 +49,10 @@ def replay(evs: list[tuple[str, dict]]) -> dict:
             block, delta = message["content"][e["index"]], e["delta"]
             if delta["type"] == "text_delta":
                 block["text"] += delta["text"]
+            elif delta["type"] == "thinking_delta":
+                block["thinking"] += delta["thinking"]
+            elif delta["type"] == "signature_delta":
+                block["signature"] = delta["signature"]
             else:
                 block["partial"] += delta["partial_json"]
         elif kind == "message_delta":
@@ -142,3 +146,15 @@ def test_cache_writes_are_the_computed_tokens_of_a_request_that_asked_for_cachin
     assert rest + 16 + written == 20  # Anthropic's: input_tokens = prompt - cache read - cache creation
     streamed = stream(MessagesShape("msg_1", "tiny", None, 20, cache_requested=requested), ["a"], usage())
     assert streamed[-2][1]["usage"] == message["usage"]
+
+
+def test_a_thought_cut_by_max_tokens_is_signed_in_the_whole_message_as_in_its_stream():
+    """The whole message never closed its last block: a thought cut by max_tokens came back with an empty
+    signature while the stream sent one (clients send thinking blocks back with their signature)."""
+    from services.edge.reasoning import ReasoningParser
+
+    done = usage("length")
+    streamed = replay(stream(MessagesShape("msg_1", "tiny", None, 20, ReasoningParser(True)), ["pondering"], done))
+    whole = asyncio.run(MessagesShape("msg_1", "tiny", None, 20, ReasoningParser(True)).full(["pondering"], done))
+    assert whole["content"][0]["type"] == "thinking" and whole["content"][0]["signature"]
+    assert streamed == whole

@@ -75,3 +75,22 @@ def test_a_session_id_over_the_bound_is_a_400_naming_its_source(headers, cache_k
 
 def test_an_id_at_the_bound_is_kept_whole():
     assert session_of({"x-session-id": "s" * MAX_TRAJECTORY}) == Session("s" * MAX_TRAJECTORY, "x-session-id")
+
+
+@pytest.mark.parametrize("headers, cache_key, user, param", [
+    ({}, "abc\x00", None, "prompt_cache_key"),
+    ({"x-session-id": "a\nb"}, None, None, "X-Session-Id"),
+    ({}, None, '{"session_id": "s\\u0000"}', "metadata.user_id"),
+])
+def test_a_session_id_with_a_control_character_is_a_400(headers, cache_key, user, param):
+    """A NUL reached usage.trajectory: Postgres refuses it in text, metering dead-lettered the usage, and the
+    request was served but never billed."""
+    with pytest.raises(errors.ApiError) as raised:
+        session_of(headers, cache_key, user)
+    assert raised.value.status == 400 and raised.value.param == param
+
+
+def test_a_deeply_nested_or_huge_user_id_is_not_a_session_and_not_a_500():
+    deep = "{" * 1 + '"a":' + "[" * 100_000 + "]" * 100_000 + "}"
+    assert embedded_session(deep) is None
+    assert embedded_session('{"session_id": "s", "pad": "' + "x" * 2000 + '"}') is None

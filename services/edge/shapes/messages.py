@@ -205,6 +205,7 @@ class MessagesShape:
         deltas, finish_reason = self._finish(done)
         for delta in deltas:
             self.blocks.add(delta)
+        self.blocks.close()  # a thought still open (cut by max_tokens) gets its signature, as streamed
         return self._message(self.blocks.content(), stop_reason(done, finish_reason), done.stop_sequence or None,
                              message_usage(done, self.cache_requested))
 
