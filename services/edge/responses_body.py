@@ -247,10 +247,11 @@ def _messages(instructions: str | None, items: list[dict[str, Any]],
             tool_call = {"id": call.call_id, "type": "function",
                          "function": {"name": call.name, "arguments": call.arguments}}
             if not merge:
-                out.append(ChatMessage("assistant", "", reasoning_content=thought or None))
+                out.append(ChatMessage("assistant", "", reasoning_content=None))
                 origins.append(where)
-                thought = ""
             message = out[-1]
+            if thought:  # the thought before this call belongs to the assistant turn that makes it
+                message.reasoning_content, thought = (message.reasoning_content or "") + thought, ""
             message.tool_calls = [*(message.tool_calls or []), tool_call]
             calls.setdefault(len(out) - 1, []).append(where)
             merge = True
@@ -260,13 +261,14 @@ def _messages(instructions: str | None, items: list[dict[str, Any]],
             out.append(ChatMessage(message.role, _text(message.content, message.role, f"{where}.content")))
             merge = message.role == "assistant"
             if merge and thought:
-                out[-1].reasoning_content, thought = thought, ""
+                out[-1].reasoning_content = thought
+            thought = ""  # a thought never carries past a turn that is not the model's
         elif kind == "function_call_output":
             result = _convert(item, FunctionCallOutputItem, where)
             output = result.output if isinstance(result.output, str) else _text(result.output, "tool",
                                                                                   f"{where}.output")
             out.append(ChatMessage("tool", output, tool_call_id=result.call_id))
-            merge = False
+            merge, thought = False, ""
         elif kind == "item_reference" or (kind is None and "id" in item):
             raise InvalidRequest("item_reference is not supported yet: send the items themselves.", where)
         else:

@@ -281,3 +281,21 @@ def test_built_in_tools_are_left_out_and_named(kind):
     assert [t["function"]["name"] for t in out.body.tools] == ["weather"] and out.ignored_tools == (kind,)
     only = translate(body(tools=[{"type": kind}], tool_choice="auto"))
     assert only.body.tools is None and only.body.tool_choice is None and only.ignored_tools == (kind,)
+
+
+def _reasoning(text: str) -> dict:
+    return {"type": "reasoning", "id": "rs", "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def test_a_thought_goes_with_the_turn_it_preceded_and_never_past_a_turn_not_the_models():
+    """A thought before a call that joined an assistant message, or before a user turn, was carried on to a later
+    assistant turn that never had it."""
+    items = [{"role": "user", "content": "hi"},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+             _reasoning("think A"), call("c1"),
+             {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+             _reasoning("stray"), {"role": "user", "content": "and tomorrow?"},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Rain."}]}]
+    messages = translate(body(input=items)).body.messages
+    assert [(m.role, m.reasoning_content) for m in messages] == [
+        ("user", None), ("assistant", "think A"), ("tool", None), ("user", None), ("assistant", None)]
