@@ -90,8 +90,10 @@ _VLLM: Table = {
     "bad_words": _r("banned words are not applied", []),
     "allowed_token_ids": _r("a token allow-list is not applied", []),
     "include_stop_str_in_output": _r("the stop string is never shown", False),
-    "skip_special_tokens": _r("special tokens are always left out of the text", True),
-    "spaces_between_special_tokens": _r("special tokens are always left out of the text", True),
+    "skip_special_tokens": _r("special tokens are always left out of the text (not the thought and tool-call "
+                              "tags the parsers read)", True),
+    "spaces_between_special_tokens": _r("special tokens are always left out of the text (not the thought and "
+                                        "tool-call tags the parsers read)", True),
     "prompt_logprobs": _r("log probabilities are not returned yet"),
     "return_tokens_as_token_ids": _r("tokens are returned as text", False),
     "return_token_ids": _r("tokens are returned as text", False),
@@ -186,7 +188,7 @@ RESPONSES: Table = {
 _MESSAGES_COMMON: Table = {
     "model": _h("the served model (or a deployment) it names"),
     "messages": _h("user / assistant turns (text, tool_use, tool_result); system turns in place; thinking "
-                   "blocks dropped"),
+                   "blocks as the assistant turn's thought (the template keeps or drops it)"),
     "system": _h("the leading system message"),
     "tools": _h("client tools, grammar-enforced calls; Anthropic's own tools are left out "
                 "(x-infermesh-ignored-tools)"),
