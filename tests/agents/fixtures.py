@@ -4,11 +4,13 @@ A fixture keeps what the harness sent (method, path with its query, headers, the
 made of it (status, streamed or not, and whether the answer was a tool call), so a fast test can replay it
 against the edge. Removed: credentials (authorization, x-api-key...) and transport headers (host, length);
 scratch paths are normalized (the run's root becomes ``/work``: ``/work/<harness>/repo`` and ``.../home``).
+Installation and device ids are zeroed (made per scratch home, but they name an installation, not a run).
 Session ids stay: they identify a trajectory, not a person."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,19 @@ NORMALIZED_ROOT = "/work"
 DROPPED_HEADERS = {"authorization", "x-api-key", "api-key", "openai-api-key", "cookie", "proxy-authorization",
                    "host", "content-length", "connection", "accept-encoding", "transfer-encoding"}
 TOOL_MARKS = (b'"tool_use"', b'"function_call"', b'"tool_calls"')
+ZERO_UUID = "00000000-0000-0000-0000-000000000000"
+# Claude Code's metadata.user_id is a JSON string inside the body: {"device_id": "<hex>", ...}
+_DEVICE_ID = re.compile(r'(\\"device_id\\":\s*\\")[0-9a-f]+')
+# Codex's installation id: client_metadata's x-codex-installation-id, and inside its turn metadata
+_INSTALLATION_ID = re.compile(r'installation[_-]id\\*"\s*:\s*\\*"([0-9a-f-]{36})')
+
+
+def zero_ids(text: str) -> str:
+    """``text`` with Claude Code's device id and Codex's installation id zeroed."""
+    text = _DEVICE_ID.sub(lambda m: m[1] + "0" * 64, text)
+    for installation in set(_INSTALLATION_ID.findall(text)):
+        text = text.replace(installation, ZERO_UUID)
+    return text
 
 
 def answered_with(exchange: Exchange) -> str:
@@ -30,8 +45,9 @@ def sanitize(exchange: Exchange, root: Path, harness: str, version: str) -> dict
     def normal(text: str) -> str:
         return text.replace(str(root), NORMALIZED_ROOT)
 
-    headers = {name: normal(value) for name, value in sorted(exchange.headers.items()) if name not in DROPPED_HEADERS}
-    body = json.loads(normal(exchange.body.decode())) if exchange.body else None
+    headers = {name: zero_ids(normal(value)) for name, value in sorted(exchange.headers.items())
+               if name not in DROPPED_HEADERS}
+    body = json.loads(zero_ids(normal(exchange.body.decode()))) if exchange.body else None
     return {"harness": harness, "version": version, "method": exchange.method, "path": exchange.path,
             "headers": headers, "body": body, "status": exchange.status,
             "streamed": exchange.content_type.startswith("text/event-stream"), "answer": answered_with(exchange)}

@@ -14,8 +14,11 @@ import pytest
 from tests.agents.harnesses import CLAUDE, CODEX, HARNESSES, NOTES, OPENCODE, Harness
 from tests.agents.session import AgentMesh, AgentRun, agent_mesh, wait_billed
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+# pytest's own limit above the harness's (150 s) plus the mesh's start (90 s) that the first test pays
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
 GENERATE_PATHS = ("/v1/messages", "/v1/chat/completions", "/v1/responses")
+# the header each harness names its run with (services/edge/sessions.py): the ledger's trajectory must be it
+SESSION_HEADER = {CLAUDE.name: "x-claude-code-session-id", CODEX.name: "session-id", OPENCODE.name: "x-session-id"}
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +33,7 @@ def run_harness(mesh: dict, harness: Harness) -> tuple[AgentMesh, AgentRun]:
     if not harness.installed():
         pytest.skip(f"{harness.binary} is not installed in tests/agents/node_modules (npm install there)")
     agents: AgentMesh = mesh["mesh"]
-    return agents, agents.run(harness)
+    return agents, agents.run(harness, timeout_s=150)
 
 
 def generate_requests(run: AgentRun) -> list:
@@ -58,8 +61,9 @@ def check_tool_loop(agents: AgentMesh, run: AgentRun) -> None:
     billed = wait_billed(agents, ids)
     assert billed == {rid: 1 for rid in ids}, billed
     assert all(agents.completion_tokens(ids).values()), agents.completion_tokens(ids)
-    trajectories = agents.trajectories(ids)
-    assert len(trajectories) == 1 and None not in trajectories, trajectories
+    sent = {e.headers.get(SESSION_HEADER[h.name]) for e in requests}
+    assert len(sent) == 1 and None not in sent and "" not in sent, sent
+    assert agents.trajectories(ids) == sent
     print(f"{h.name} {h.version}: {len(requests)} requests, {run.seconds:.1f} s")
 
 
