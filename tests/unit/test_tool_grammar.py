@@ -6,7 +6,13 @@ import pytest
 import xgrammar
 from xgrammar.testing import _is_grammar_accept_string as accepts
 
-from services.edge.tools.grammar import ConstraintCache, build_constraint, build_response_constraint, grammar_schema
+from services.edge.tools.grammar import (
+    MAX_ENFORCED_LENGTH,
+    ConstraintCache,
+    build_constraint,
+    build_response_constraint,
+    grammar_schema,
+)
 from services.edge.tools.validate import validate_response_format, validate_tools
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -156,25 +162,42 @@ def test_string_length_bounds_reach_the_grammar_as_a_pattern_xgrammar_compiles_c
         "type": "string", "maxLength": 3, "enum": ["ab"]}  # an enum already says exactly what is allowed
 
 
+def _cached_compiler() -> xgrammar.GrammarCompiler:
+    """A compiler as vLLM makes it (its cache on), over a vocabulary of single characters and a few words."""
+    vocab = [chr(c) for c in range(32, 127)] + ["<eos>"] + ["the", " and", "ing", "file", "path"]
+    return xgrammar.GrammarCompiler(xgrammar.TokenizerInfo(vocab, stop_token_ids=[95]), cache_enabled=True)
+
+
 @pytest.mark.parametrize("fmt", ["hermes", "glm"])
-@pytest.mark.parametrize("bounds", [(0, 200), (150, 1000), (300, None), (0, 129)])
+@pytest.mark.parametrize("bounds", [(0, 200), (150, 1000), (300, None), (0, 129), (2, 524288)])
 def test_long_length_bounds_compile_with_xgrammars_cache_on_as_vllm_runs_it(fmt, bounds):
     """Claude Code's SendMessage tool has a string of maxLength 200: written as ``C{0,200}`` the pattern failed
     xgrammar 0.2.8's compiler with its cache on ("Check failed: per_rule_fsm_hashes"), which vLLM always turns
-    on, and vLLM ended the request with no token. Counted repetitions are now at most 128 each."""
+    on, and vLLM ended the request with no token. Counted repetitions are now at most 128 each; a bound over
+    MAX_ENFORCED_LENGTH is left to max_tokens."""
     low, high = bounds
     schema = {"type": "string", "minLength": low, **({} if high is None else {"maxLength": high})}
-    vocab = [chr(c) for c in range(32, 127)] + ["<eos>"]
-    compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo(vocab, stop_token_ids=[len(vocab) - 1]),
-                                        cache_enabled=True)
-    compiled = compiler.compile_json_schema(json.dumps(grammar_schema(schema, fmt)), any_whitespace=False)
-    quoted = fmt == "hermes"
-    for n in {low, max(low - 1, 0), min(low + 1, high or low + 1), high or low + 300}:
-        text = "b" * n
+    compiled = _cached_compiler().compile_json_schema(json.dumps(grammar_schema(schema, fmt)), any_whitespace=False)
+    enforced = high if high is not None and high <= MAX_ENFORCED_LENGTH else None
+    for n in {low, max(low - 1, 0), low + 1, 127, 128, 129, enforced or low + 300, (enforced or low + 300) + 1}:
         matcher = xgrammar.GrammarMatcher(compiled, terminate_without_stop_token=True)
-        fits = low <= n and (high is None or n <= high)
-        accepted = matcher.accept_string(f'"{text}"' if quoted else json.dumps(text))
+        fits = low <= n and (enforced is None or n <= enforced)
+        accepted = matcher.accept_string(json.dumps("b" * n))
         assert (accepted and matcher.is_terminated()) == fits, (n, grammar_schema(schema, fmt))
+
+
+def test_claude_codes_recorded_tools_compile_with_xgrammars_cache_on():
+    """The whole tool grammar of Claude Code's first request, as vLLM compiles it: it failed (a maxLength of 200),
+    then, its bounds split ambiguously (``C{0,128}C{0,72}``), took minutes (this test's time limit)."""
+    from pathlib import Path
+
+    fixture = Path(__file__).parents[1] / "fixtures/agents/claude-code/00.json"
+    tools = [{"type": "function", "function": {"name": t["name"], "parameters": t["input_schema"]}}
+             for t in json.loads(fixture.read_text())["body"]["tools"] if "input_schema" in t]
+    constraint = build_constraint("hermes", validate_tools(tools, "auto"), None, ConstraintCache())
+    assert constraint is not None and constraint.kind == "structural_tag"
+    spec = constraint.spec if isinstance(constraint.spec, str) else json.dumps(constraint.spec)
+    _cached_compiler().compile_structural_tag(spec)
 
 
 def test_a_glm_length_bounded_value_holds_no_end_tag_and_no_edge_whitespace():

@@ -211,23 +211,30 @@ def grammar_schema(schema: Any, fmt: str = "hermes") -> Any:
 
 
 MAX_REPEAT = 128  # the largest {m,n} bound xgrammar 0.2.8 compiles with its cache on (vLLM's: always on)
+MAX_ENFORCED_LENGTH = 1024  # longer maxLength bounds are left to max_tokens (below)
 
 
 def repeat(char_class: str, low: int, high: int | None) -> str:
-    """A regex for ``low``..``high`` (None: no bound) characters of ``char_class``, its counted repetitions at most
-    ``MAX_REPEAT``: with its grammar cache on, xgrammar 0.2.8 fails to compile ``C{0,200}`` ("Check failed:
-    per_rule_fsm_hashes") and vLLM then ends the request with no token. ``C{0,128}C{0,72}`` is the same language."""
-    parts = []
+    """A regex for ``low``..``high`` (None: no bound) characters of ``char_class`` whose counted repetitions are at
+    most ``MAX_REPEAT``: with its cache on, xgrammar 0.2.8 fails to compile ``C{0,200}`` (and every bound from 129
+    to ~9,000: "Check failed: per_rule_fsm_hashes"), and vLLM then ended the request with no token (Claude Code's
+    SendMessage tool has a maxLength of 200). Unambiguous, as the compiler needs: a string shorter than
+    ``MAX_REPEAT`` takes one branch, a longer one ``MAX_REPEAT`` characters first (``C{0,128}C{0,72}`` is the same
+    language, but each length splits many ways: Claude Code's tools then took minutes to compile). The nesting
+    grows with the bound, and so does the compile time (~0.5 s at 2,048 on a 100-token vocabulary): a bound over
+    ``MAX_ENFORCED_LENGTH`` is not enforced by the grammar (``max_tokens`` bounds the string; Claude Code's other
+    bound is 524,288)."""
+    if high is not None and high > MAX_ENFORCED_LENGTH:
+        high = None
     if high is None:
-        while low > MAX_REPEAT:
-            parts.append("%s{%d}" % (char_class, MAX_REPEAT))
-            low -= MAX_REPEAT
-        return "".join(parts) + "%s{%d,}" % (char_class, low)
-    while high > MAX_REPEAT:
-        take = min(low, MAX_REPEAT)
-        parts.append("%s{%d,%d}" % (char_class, take, MAX_REPEAT))
-        low, high = low - take, high - MAX_REPEAT
-    return "".join(parts) + "%s{%d,%d}" % (char_class, low, high)
+        full, low = divmod(low, MAX_REPEAT)
+        return "%s{%d}" % (char_class, MAX_REPEAT) * full + "%s{%d,}" % (char_class, low)
+    if high <= MAX_REPEAT:
+        return "%s{%d,%d}" % (char_class, low, high)
+    rest = repeat(char_class, max(low - MAX_REPEAT, 0), high - MAX_REPEAT)
+    if low >= MAX_REPEAT:
+        return "%s{%d}%s" % (char_class, MAX_REPEAT, rest)
+    return "(%s{%d}%s|%s{%d,%d})" % (char_class, MAX_REPEAT, rest, char_class, low, MAX_REPEAT - 1)
 
 
 def _glm_length_pattern(low: int, high: int | None) -> str:
