@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 MARKER = ".infermesh-ready"
@@ -119,7 +119,7 @@ def prepare_gemma(cache_dir: Path | None = None,
     return folder
 
 
-def _train_tokenizer():
+def _train_tokenizer(extra_corpus: Sequence[str] = (), vocab_size: int = 1536):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -128,9 +128,9 @@ def _train_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=1536, special_tokens=specials, show_progress=False,
+        vocab_size=vocab_size, special_tokens=specials, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    tok.train_from_iterator([*[_CORPUS] * 4, *extra_corpus], trainer=trainer)
     bos = tok.token_to_id("<s>")
     # Prepend <s> like Llama; ByteLevel keeps offsets in step.
     tok.post_processor = processors.Sequence([
@@ -144,11 +144,15 @@ def _train_tokenizer():
         model_max_length=2048, clean_up_tokenization_spaces=False)
 
 
-def make_tiny_llama(path: Path) -> Path:
+def make_tiny_llama(path: Path, extra_corpus: Sequence[str] = (), vocab_size: int = 1536,
+                    max_position_embeddings: int = 2048) -> Path:
     """Write a tiny random Llama (~2.7M params, bfloat16) and its tokenizer.
 
     Deterministic (seeded), well under 5 s, and idempotent. Decoding token ids
-    with ``skip_special_tokens=True`` gives back the exact text.
+    with ``skip_special_tokens=True`` gives back the exact text. ``extra_corpus``
+    (with a larger ``vocab_size``) trains the tokenizer on the text it will see,
+    so that text takes about as many tokens as in a real model's large vocabulary
+    (an agent harness's prompt: ~2.5x fewer than in the 1,536 tokens).
     """
     folder = Path(path)
     if _is_ready(folder):
@@ -159,11 +163,11 @@ def make_tiny_llama(path: Path) -> Path:
 
     # Never wipe a caller's folder: save_pretrained overwrites our files in place.
     folder.mkdir(parents=True, exist_ok=True)
-    tok = _train_tokenizer()
+    tok = _train_tokenizer(extra_corpus, vocab_size)
     config = LlamaConfig(
         vocab_size=len(tok), hidden_size=256, intermediate_size=512,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
+        max_position_embeddings=max_position_embeddings, bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         tie_word_embeddings=False, dtype="bfloat16")
     with torch.random.fork_rng(devices=[]):

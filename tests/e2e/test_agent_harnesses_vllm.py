@@ -3,16 +3,20 @@ CPU, the tiny random model made at test time): the harness's first request, its 
 included, is accepted, prefilled and streamed by a real engine, and the harness exits cleanly with the model's
 answer. The answers are noise (random weights); the turn is what is checked. One mesh for the module.
 
-The tiny model says 2,048 positions; its copy here says more (RoPE runs past them; the weights are random
-anyway), so that Claude Code's first request (~46K tokens of the tiny vocabulary) fits."""
+The model is the tiny random Llama with two changes, both made here: its tokenizer is trained on the harnesses'
+recorded requests too (tests/fixtures/agents; ~8K tokens), so their prompts take about as many tokens as in a real
+model's large vocabulary (Claude Code's first request ~18K instead of ~46K in the 1,536-token vocabulary: on
+vLLM CPU a 46K-token prefill took minutes), and it says 100K positions (RoPE runs past its 2,048; the weights
+are random anyway)."""
 
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
+from infermesh.models import make_tiny_llama
+from tests.agents.fixtures import load_fixtures
 from tests.agents.harnesses import CLAUDE, CODEX, HARNESSES, OPENCODE, Harness
 from tests.agents.session import AgentMesh, AgentRun, agent_mesh, wait_billed
 from tests.e2e.test_agent_harnesses import generate_requests
@@ -25,14 +29,14 @@ ENV = {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64"}
 
 
 @pytest.fixture(scope="module")
-def mesh(nats_url, tiny_model, tmp_path_factory):
+def mesh(nats_url, tmp_path_factory):
     pytest.importorskip("vllm")
     if not any(h.installed() for h in HARNESSES.values()):
         pytest.skip("no agent harness installed in tests/agents/node_modules (./scripts/test runs npm install there)")
     root = tmp_path_factory.mktemp("agents-vllm")
-    model = shutil.copytree(tiny_model, root / "tiny-long")
-    config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": MAX_MODEL_LEN}))
+    texts = [json.dumps(fixture["body"], ensure_ascii=False) for fixture in load_fixtures() if fixture["body"]]
+    model = make_tiny_llama(root / "tiny-agents", extra_corpus=texts, vocab_size=8192,
+                            max_position_embeddings=MAX_MODEL_LEN)
     with agent_mesh(root, model, "vllm", nats_url, max_model_len=MAX_MODEL_LEN) as agents:
         yield {"up": agents.up, "mesh": agents}
 
