@@ -41,14 +41,14 @@ def mesh(nats_url, tmp_path_factory):
         yield {"up": agents.up, "mesh": agents}
 
 
-def one_turn(mesh: dict, harness: Harness) -> AgentRun:
+def one_turn(mesh: dict, harness: Harness, exit_codes: tuple[int, ...] = (0,)) -> AgentRun:
     if not harness.installed():
         pytest.skip(f"{harness.binary} is not installed in tests/agents/node_modules (npm install there)")
     agents: AgentMesh = mesh["mesh"]
     run = agents.run(harness, timeout_s=400, env=ENV)
     process = run.process
     output = f"exit {process.returncode}\nstdout:\n{process.stdout[-3000:]}\nstderr:\n{process.stderr[-3000:]}"
-    assert process.returncode == 0, output
+    assert process.returncode in exit_codes, output
     requests = generate_requests(run)
     assert requests and all(e.status == 200 for e in requests), [(e.path, e.status, e.response[:300])
                                                                  for e in requests]
@@ -64,9 +64,15 @@ def one_turn(mesh: dict, harness: Harness) -> AgentRun:
 
 
 def test_claude_code_turn_on_vllm(mesh):
-    run = one_turn(mesh, CLAUDE)
+    """The random model rarely ends its answer (1 token in ~8K is the end of text) before Claude Code's 64-token
+    limit: Claude Code then reports the answer as over its output maximum and exits 1. Either way the turn is
+    whole: the answer reached Claude Code, which read it to its end (``stop_reason: max_tokens``)."""
+    run = one_turn(mesh, CLAUDE, exit_codes=(0, 1))
     result = json.loads(run.process.stdout)
-    assert result["type"] == "result" and not result["is_error"], result
+    assert result["type"] == "result" and result["num_turns"] == 1, result
+    if result["is_error"]:
+        assert "exceeded the 64 output token maximum" in result["result"], result
+        assert b'"stop_reason":"max_tokens"' in generate_requests(run)[0].response
 
 
 def test_codex_turn_on_vllm(mesh):
