@@ -16,7 +16,8 @@ An agent run (a trajectory) is many requests. Each harness names it its own way 
 The first one present wins, in ``PRECEDENCE`` order: headers a client sets on purpose before body fields that
 also mean other things. Codex's session-id ranks above its thread-id, so a run's sub-agents bill to the run.
 A session id longer than ``MAX_TRAJECTORY``, or holding a control character, is refused (400 naming where it
-came from), never cut or cleaned: two sessions must not merge. The router scopes it by team (affinity), so a guessed id pins nothing of another team.
+came from), never cut or cleaned: two sessions must not merge. The router scopes it by team (affinity), so a
+guessed id pins nothing of another team.
 """
 
 from __future__ import annotations
