@@ -40,8 +40,8 @@ async def test_a_worker_prepares_what_the_loop_would(pool, tiny_model):
 
 async def test_a_worker_error_is_the_same_api_error(pool, tiny_model):
     with pytest.raises(errors.ApiError) as info:
-        await pool.run(chat_job(str(tiny_model), "hi", logit_bias={}), None)
-    assert (info.value.status, info.value.param, info.value.code) == (400, "logit_bias", "unrecognized_argument")
+        await pool.run(chat_job(str(tiny_model), "hi", logit_biass={}), None)
+    assert (info.value.status, info.value.param, info.value.code) == (400, "logit_biass", "unrecognized_argument")
 
 
 async def test_a_killed_worker_is_replaced_and_the_request_still_served(pool, tiny_model):
