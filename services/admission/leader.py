@@ -4,7 +4,10 @@ The leader holds key ``leader`` in the leases bucket, written with CAS and a per
 renewed every TTL/3. A replica that finds the key absent (never written, or expired: its holder
 died or stalled) creates it with CAS; of several, one wins. A leader whose renewal fails, or that
 has not renewed for TTL - one renewal period, steps down before anyone else can have taken over
-(the key it held cannot have expired yet), so two replicas never serve at once.
+(the key it held cannot have expired yet), so two replicas never serve at once. The server times the key's TTL
+from when it stored the write, which is after the write was sent: so a leader's tenure is timed from the instant
+before it sent its write (``Tenure``), never from when the acknowledgement came back (an ack that took a second
+on a loaded machine would otherwise grant a second the key may no longer be ours).
 
 Each write carries the replica's term (a random token; its id alone is not enough, a restarted replica
 reuses it). A write whose acknowledgement was lost (it timed out on a loaded machine, yet landed) leaves
@@ -26,12 +29,31 @@ from shared.tasks import cancel_and_wait
 
 LEADER_KEY = "leader"
 TERM_HEADER = "Infermesh-Leader-Term"
+SAFE_FRACTION = 2 / 3  # of the TTL: a leader acts for this long after a write, leaving a renewal period's margin
+
+
+class Tenure:
+    """How long a leader may act on the key it wrote, pure: from the instant its last landed write was *sent*
+    (the server's TTL cannot have started earlier), for ``ttl_s * SAFE_FRACTION``."""
+
+    __slots__ = ("ttl_s", "sent_at")
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self.sent_at: float | None = None  # None: no write of ours landed
+
+    def renewed(self, sent_at: float) -> None:
+        """A write sent at ``sent_at`` (the clock read before sending it) landed."""
+        self.sent_at = sent_at
+
+    def valid(self, now: float) -> bool:
+        return self.sent_at is not None and now - self.sent_at < self.ttl_s * SAFE_FRACTION
 
 
 class Leadership:
     def __init__(self, bus: Bus, bucket: str, candidate_id: str, ttl_s: float,
                  on_elected: Callable[[], Awaitable[None]], on_deposed: Callable[[], Awaitable[None]],
-                 service: str = "admission") -> None:
+                 service: str = "admission", clock: Callable[[], float] = time.monotonic) -> None:
         self._bus, self._bucket, self.candidate_id, self.ttl_s = bus, bucket, candidate_id, ttl_s
         self._service = service  # who leads: its logs say so, under its own logger
         self._log = logging.getLogger(f"infermesh.{service}")
@@ -39,7 +61,8 @@ class Leadership:
         self.is_leader = False
         self._revision = 0
         self._term = uuid.uuid4().hex  # which writes of the key are this replica's
-        self._renewed_at = 0.0
+        self._clock = clock
+        self._tenure = Tenure(ttl_s)
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -64,7 +87,7 @@ class Leadership:
 
     def still_leader(self) -> bool:
         """True while our key cannot have expired (checked before every grant)."""
-        return self.is_leader and time.monotonic() - self._renewed_at < self.ttl_s * 2 / 3
+        return self.is_leader and self._tenure.valid(self._clock())
 
     async def _loop(self) -> None:
         period = self.ttl_s / 3
@@ -86,11 +109,12 @@ class Leadership:
         holder, revision, headers = await get_last_with_headers(self._bus, self._bucket, LEADER_KEY)
         if holder is not None and headers.get(TERM_HEADER) != self._term:
             return  # someone leads (if it is our own write, a campaign whose ack was lost, we take it up again)
+        sent_at = self._clock()  # before the write: the server's TTL starts after this, never before
         try:
             self._revision = await self._write(revision)
         except CasConflict:
             return
-        self._renewed_at = time.monotonic()
+        self._tenure.renewed(sent_at)
         self.is_leader = True
         self._log.info("%s %s is the leader", self._service, self.candidate_id)
         try:
@@ -101,6 +125,7 @@ class Leadership:
             raise
 
     async def _renew(self) -> None:
+        sent_at = self._clock()  # a retry below is sent later: timing both from here errs on the safe side
         try:
             self._revision = await self._write(self._revision)
         except CasConflict:
@@ -111,7 +136,7 @@ class Leadership:
             self._log.info("%s %s: a renewal whose ack was lost had landed; going on from it", self._service,
                            self.candidate_id)
             self._revision = await self._write(revision)
-        self._renewed_at = time.monotonic()
+        self._tenure.renewed(sent_at)
 
     async def _write(self, revision: int) -> int:
         return await cas_put(self._bus, self._bucket, LEADER_KEY, self.candidate_id.encode(), revision, self.ttl_s,
