@@ -102,7 +102,8 @@ class EdgeApi:
             raise errors.invalid_request("The request body could not be read.")
         info, tokenizer = await self._model(seen.model)
         prefix = await context(seen) if context is not None else b""
-        return await self.prep.run(self._job(kind, request.body, seen, info, prefix), tokenizer,
+        team = request.caller.team if request.caller is not None else ""
+        return await self.prep.run(self._job(kind, request.body, seen, info, prefix, team), tokenizer,
                                    seen.schema_key()), tokenizer
 
     def tool_parser(self, prepared: Prepared) -> Callable[[str], ToolCallParser] | None:
@@ -110,9 +111,10 @@ class EdgeApi:
         tools, fmt = prepared.tools, self.config.tool_format(prepared.model)
         return (lambda prefix: make_parser(fmt, tools.tools, prefix)) if tools else None
 
-    def _job(self, kind: str, body: bytes, seen: Peek, info: Any, context: bytes = b"") -> PrepJob:
+    def _job(self, kind: str, body: bytes, seen: Peek, info: Any, context: bytes = b"", team: str = "") -> PrepJob:
         return PrepJob(kind, body, info.tokenizer, info.max_model_len, self.config.tool_format(seen.model),  # type: ignore[arg-type]
-                       self.config.tool_close_within, self.limits, context, self.config.reasoning_format(seen.model))
+                       self.config.tool_close_within, self.limits, context, self.config.reasoning_format(seen.model),
+                       team)
 
     async def _model(self, model: str) -> tuple[Any, ModelTokenizer]:
         info = self.mesh.model_info(model)

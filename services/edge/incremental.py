@@ -21,6 +21,11 @@ random conversations for every chat template the edge renders.
 Bounded: at most ``max_entries`` prompts and ``max_tokens`` token ids in all (4-byte arrays), the least recently
 used dropped first; a prompt that continues an earlier one replaces it; a prompt shorter than ``min_reuse_chars``
 is tokenized whole and not kept (short chat requests would push the long agent histories out).
+
+Scoped: a prompt reuses only prompts of its own scope (``cache_scope``: the team and its ``cache_salt``, as the
+engine's prefix cache is salted). A shared cache would be a timing oracle: another team's ``count_tokens`` of a
+guessed long prefix answers in ~11 ms instead of ~250 ms (200K tokens) when anyone sent that prefix recently.
+The bounds are shared: another team's prompts may push a team's out (a cost in time, never a leak of text).
 """
 
 from __future__ import annotations
@@ -41,10 +46,17 @@ PIECE_CHARS = 2048  # cuts kept at most this often: each piece is tokenized on i
 MIN_REUSE_CHARS = 4096  # below this much shared text, tokenizing it all is as cheap
 
 EncodeBatch = Callable[[list[str]], Sequence[Sequence[int]]]  # texts -> their token ids, no special tokens added
+CacheScope = str  # whose earlier prompts a prompt may reuse: ``cache_scope(team, cache_salt)``
+
+
+def cache_scope(team: str, cache_salt: str | None) -> CacheScope:
+    """The scope of ``team``'s prompts with ``cache_salt``: length-prefixed, so no two (team, salt) pairs share one."""
+    return f"{len(team)}:{team}{cache_salt or ''}"
 
 
 @dataclass(slots=True)
 class _Entry:
+    scope: CacheScope
     text: str
     ids: array  # 'I': 4 bytes a token
     cut_chars: list[int]  # where the kept cuts are in the text, ascending
@@ -69,22 +81,23 @@ class PrefixTokens:
         self.num_tokens = 0  # held in all entries
         self.num_reused = self.num_encoded = 0  # tokens taken from earlier prompts / tokenized here
 
-    def encode(self, text: str) -> list[int]:
-        return self.encode_ids(text).tolist()
+    def encode(self, text: str, scope: CacheScope = "") -> list[int]:
+        return self.encode_ids(text, scope).tolist()
 
-    def encode_ids(self, text: str) -> array:
+    def encode_ids(self, text: str, scope: CacheScope = "") -> array:
         """``encode`` as a 4-byte array (the caller's own copy): a long prompt's ids stay in one buffer from here to
-        the bus (its list of 200K ints costs ~2 ms to make and ~2 ms to turn back into an array)."""
+        the bus (its list of 200K ints costs ~2 ms to make and ~2 ms to turn back into an array). Only earlier
+        prompts of ``scope`` are reused (``cache_scope``)."""
         if not self.kinds or len(text) < self.min_reuse_chars:  # nothing to reuse, nothing worth keeping for later
             ids = self._encode_batch([text])[0]
             self.num_encoded += len(ids)
             return array("I", ids)
-        found = self._best_entry(text)
+        found = self._best_entry(text, scope)
         # the last cut whose context both texts share: what is before it, and what it starts
         at = -1 if found is None else bisect.bisect_right(found[1].cut_chars, found[2] - self._cut_span) - 1
         if found is None or at < 0 or found[1].cut_chars[at] < self.min_reuse_chars:
             ids, cut_chars, cut_tokens = self._tokenize(text, 0)
-            return self._remember(_Entry(text, ids, cut_chars, cut_tokens), None)
+            return self._remember(_Entry(scope, text, ids, cut_chars, cut_tokens), None)
         key, entry, shared = found
         start, before = entry.cut_chars[at], entry.cut_tokens[at]
         rest, cut_chars, cut_tokens = self._tokenize(text, start)
@@ -92,7 +105,7 @@ class PrefixTokens:
         ids.extend(rest)
         self.num_reused += before
         continues = shared >= len(entry.text) - self.piece_chars  # the new prompt continues this one: it replaces it
-        return self._remember(_Entry(text, ids, entry.cut_chars[:at + 1] + cut_chars,
+        return self._remember(_Entry(scope, text, ids, entry.cut_chars[:at + 1] + cut_chars,
                                      entry.cut_tokens[:at + 1] + [before + n for n in cut_tokens]),
                               key if continues else None)
 
@@ -131,12 +144,13 @@ class PrefixTokens:
         return ids, cut_chars, cut_tokens
 
     # ------------------------------------------------------------ entries
-    def _best_entry(self, text: str) -> tuple[int, _Entry, int] | None:
-        """The entry sharing the longest prefix with ``text``: its key, it, and how many characters they share."""
+    def _best_entry(self, text: str, scope: CacheScope) -> tuple[int, _Entry, int] | None:
+        """``scope``'s entry sharing the longest prefix with ``text``: its key, it, and how many characters they
+        share."""
         best = None
         for key, entry in self._entries.items():
             probe = min(PROBE_CHARS, len(entry.text), len(text))
-            if entry.text[:probe] == text[:probe]:
+            if entry.scope == scope and entry.text[:probe] == text[:probe]:
                 shared = shared_prefix(entry.text, text)
                 if best is None or shared > best[2]:
                     best = (key, entry, shared)

@@ -39,6 +39,7 @@ from typing import Any, Callable, Literal, Sequence
 import msgspec
 
 from services.edge import cache_hints, messages_body, responses_body
+from services.edge.incremental import cache_scope
 from services.edge.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -104,6 +105,7 @@ class PrepJob:
     limits: ToolLimits = ToolLimits()
     context: bytes = b""  # what the endpoint's translation prepends to the body (a stored conversation)
     reasoning: str = ""  # the model's reasoning parser (services/edge/reasoning.py; "": it does not think)
+    team: str = ""  # the caller's: its prompts reuse only its own earlier ones (incremental.cache_scope, with the salt)
 
 
 # kind -> how its bodies (and a stored conversation, ``PrepJob.context``) become chat requests
@@ -197,7 +199,7 @@ def prepare_chat(body: ChatCompletionRequest, job: PrepJob, tokenizer: Any) -> P
         messages = render_messages(messages, tools.tools if tools else (), job.tool_format)
     response_format = output.response_format if output.response_format.kind != "text" else None
     template_kwargs = _template_kwargs(body, job.reasoning)
-    prompt_ids = tokenizer.chat_ids(messages, template_kwargs) if template_kwargs else tokenizer.chat_ids(messages)
+    prompt_ids = tokenizer.chat_ids(messages, template_kwargs or None, cache_scope(job.team, body.cache_salt))
     reasoning, thinking = _reasoning(body, job.reasoning, tokenizer, prompt_ids, template_kwargs)
     constraint = build_constraint(job.tool_format, tools, response_format)
     if constraint is not None and reasoning is not None:  # a call or a JSON answer after a free thought

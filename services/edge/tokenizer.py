@@ -12,7 +12,7 @@ from array import array
 from pathlib import Path
 from typing import Any
 
-from services.edge.incremental import PrefixTokens, cut_kinds_that_hold, sample_conversations
+from services.edge.incremental import CacheScope, PrefixTokens, cut_kinds_that_hold, sample_conversations
 
 # Gemma's turn format, for Gemma checkpoints whose tokenizer ships no template
 # (the GGUF-converted Gemma 3 270M): system text is folded into the first user turn.
@@ -116,13 +116,15 @@ class ModelTokenizer:
             ids.update([eos] if isinstance(eos, int) else list(eos or []))
         return ids
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.prefix_tokens.encode(self.render(messages))
+    def apply_chat_template(self, messages: list[dict[str, Any]], scope: CacheScope = "") -> list[int]:
+        return self.prefix_tokens.encode(self.render(messages), scope)
 
-    def chat_ids(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None) -> array:
+    def chat_ids(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
+                 scope: CacheScope = "") -> array:
         """``apply_chat_template`` as a 4-byte array: what preparation hands on (``prep.crossed``).
-        ``template_kwargs``: the request's ``chat_template_kwargs`` (``enable_thinking``...)."""
-        return self.prefix_tokens.encode_ids(self.render(messages, template_kwargs))
+        ``template_kwargs``: the request's ``chat_template_kwargs`` (``enable_thinking``...); ``scope``: whose
+        earlier prompts it may reuse the tokens of (``incremental.cache_scope``: the team and its cache_salt)."""
+        return self.prefix_tokens.encode_ids(self.render(messages, template_kwargs), scope)
 
     def render(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None) -> str:
         """The prompt text; a system (or developer) message after the first turn is rendered in place where the

@@ -22,7 +22,7 @@ class FakeTokenizer:
     vocab_size = 1000
     stop_token_ids = [2]
 
-    def chat_ids(self, messages):
+    def chat_ids(self, messages, template_kwargs=None, scope=""):
         return array("I", [1] * (1 + sum(len(m["content"]) // 4 for m in messages)))
 
     def encode(self, text):
