@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import msgspec
@@ -23,13 +23,14 @@ from prometheus_client import CollectorRegistry
 
 from services.edge import tracing
 from services.edge.admission import CLASSES
-from services.edge.attempt import StreamBroken, Usage
+from services.edge.attempt import RequestRun, StreamBroken, Usage
 from services.edge.config import EdgeConfig
 from services.edge.deployments import Link
 from services.edge.http import HttpRequest, JsonReply, Reply, SseReply
 from services.edge.keys import Caller
 from services.edge.mesh import EdgeMesh, RouteHints
-from services.edge.prep import Peek, Prepared, PrepJob, PrepPool, peek
+from services.edge.prep import Peek, Prepared, PrepJob, peek
+from services.edge.prep_pool import PrepPool
 from services.edge.reasoning import ReasoningParser
 from services.edge.sessions import session_of
 from services.edge.shapes import Shape
@@ -40,10 +41,13 @@ from shared import bus_limits, errors, schema
 from shared.metrics import GenAiServerMetrics
 from shared.schema import BillingContext, LeaseRelease, SamplingParams, UsageEvent
 from shared.telemetry import sampled_trace_id
+from shared.usage import LEASE_SPENT_WAIT_S
+from shared.usage_outbox import CheckpointClock
 
 log = logging.getLogger("infermesh.edge")
 _json = msgspec.json.Encoder()
 ShapeFor = Callable[[str], Shape]  # a request id -> the shape of its response
+JOURNAL_WAIT_S = 5.0  # the longest a response's last byte waits for its usage to be in the outbox
 
 
 class EdgeApi:
@@ -51,7 +55,7 @@ class EdgeApi:
         self.config = config
         self.mesh = mesh
         self._billing: set[asyncio.Task[None]] = set()
-        self.prep = PrepPool(config.prep_processes, config.inline_prep_bytes)
+        self.prep = PrepPool(config.prep_processes, config.inline_prep_bytes, config.prep_limits())
         self.limits = ToolLimits(config.max_tools, config.max_tools_bytes, config.max_schema_depth)
         self.metrics = CollectorRegistry()  # the edge service adds its counters (service.py)
         self.genai = GenAiServerMetrics(self.metrics)
@@ -97,12 +101,12 @@ class EdgeApi:
         when it is not valid. ``context``: what prep.py prepends to the body (a stored conversation), read for
         what the body says of it once the body is known to name a model."""
         seen = peek(request.body)
+        team = request.caller.team if request.caller is not None else ""  # its prep is limited and counted per team
         if seen is None:  # not even a model: decoding the body says what is wrong with it
-            await self.prep.run(PrepJob(kind, request.body, None), None)  # type: ignore[arg-type]
+            await self.prep.run(PrepJob(kind, request.body, None, team=team), None)  # type: ignore[arg-type]
             raise errors.invalid_request("The request body could not be read.")
         info, tokenizer = await self._model(seen.model)
         prefix = await context(seen) if context is not None else b""
-        team = request.caller.team if request.caller is not None else ""
         return await self.prep.run(self._job(kind, request.body, seen, info, prefix, team), tokenizer,
                                    seen.schema_key()), tokenizer
 
@@ -160,7 +164,8 @@ class EdgeApi:
                                 self._max_migrations(request))
         run.lease_deployment = lease[0].name if lease is not None else ""
         bill = _Bill(request_id, caller, model, arrived, lease, asyncio.get_running_loop().create_future(),
-                     run.usage_so_far, trace_id, request.batch_id, span=span, trajectory=hints.session_id or "")
+                     run.usage_so_far, trace_id, request.batch_id, span=span, trajectory=hints.session_id or "",
+                     entry=self.mesh.usage.open(), delivered=lambda: delivered_usage(run))
         events = tracing.in_span(_then(self._revocable(self.mesh.generate(run, bill.settle), klass, bill),
                                        lambda: self._spawn_bill(bill)), span)
         try:
@@ -182,10 +187,10 @@ class EdgeApi:
         if prepared.reasoning is not None:  # a reasoning model's: its thought's tokens counted at the end
             events = _thought_counted(events, shape, prepared, run.output)
         if stream:  # where the first token came from (a migration may move the rest elsewhere)
-            return SseReply(self._sse_body(first, events, shape, span),
+            return SseReply(self._sse_body(first, events, shape, span, bill),
                             {"x-infermesh-deployment": run.deployment or self.mesh.local.name, **headers})
         try:
-            reply = await self._complete(first, events, shape, span)
+            reply = await self._complete(first, events, shape, span, bill)
         except errors.ApiError as exc:  # failed mid-generation: the error names the request and its trace too
             exc.headers = {**headers, **exc.headers}
             raise
@@ -215,19 +220,41 @@ class EdgeApi:
         except asyncio.TimeoutError:
             log.warning("request %s: no final counts after its cancellation; billing what was seen", bill.request_id)
             usage = bill.seen()
-        with tracing.child_span(bill.span, "usage.publish", trace.SpanKind.PRODUCER) as span:
-            await self._publish_usage(bill, usage, span)
+        try:
+            with tracing.child_span(bill.span, "usage.publish", trace.SpanKind.PRODUCER) as span:
+                await self._publish_usage(bill, usage, span)
+        finally:
+            bill.journaled.set()
+
+    def _usage_event(self, bill: _Bill, usage: Usage) -> UsageEvent:
+        return UsageEvent(
+            bill.request_id, usage.attempt, bill.caller.team, bill.caller.key_prefix, bill.model,
+            usage.status, usage.finish_reason, usage.prompt_tokens, usage.cached_tokens,  # type: ignore[arg-type]
+            usage.completion_tokens, round(usage.ttft_ms, 3), round(1000 * (time.time() - bill.arrived), 3),
+            usage.worker_id, usage.prefill_worker_id, bill.trace_id, bill.arrived, usage.migrations,
+            usage.migration_prefill_tokens, usage.deployment or self.mesh.local.name, bill.batch_id, bill.trajectory)
+
+    def _checkpoint(self, bill: _Bill) -> None:
+        """A running stream's delivered usage into the outbox (at its first token, then every 0.5 s): what the
+        next edge of this slot bills were this one to die before the stream's end."""
+        # (a batch line is billed once, at its end)
+        if bill.delivered is not None and not bill.batch_id and bill.clock.due(time.monotonic()):
+            self.mesh.usage.checkpoint(bill.entry, self._usage_event(bill, bill.delivered()))
 
     async def _publish_usage(self, bill: _Bill, usage: Usage | None, span: trace.Span | None) -> None:
-        seq = 0
+        seq, outbox = 0, self.mesh.usage
         if usage is not None and not bill.preempted:  # a preempted attempt is the platform's loss, never billed
-            seq = await self.mesh.usage.publish(UsageEvent(
-                bill.request_id, usage.attempt, bill.caller.team, bill.caller.key_prefix, bill.model,
-                usage.status, usage.finish_reason, usage.prompt_tokens, usage.cached_tokens,  # type: ignore[arg-type]
-                usage.completion_tokens, round(usage.ttft_ms, 3), round(1000 * (time.time() - bill.arrived), 3),
-                usage.worker_id, usage.prefill_worker_id, bill.trace_id, bill.arrived, usage.migrations,
-                usage.migration_prefill_tokens, usage.deployment or self.mesh.local.name, bill.batch_id,
-                bill.trajectory))
+            event = self._usage_event(bill, usage)
+            await outbox.record(bill.entry, event)  # durable before the response's last byte (see _sse_body)
+            bill.journaled.set()
+            publishing = outbox.submit(bill.entry, event)  # retried until JetStream has it: never dropped
+            try:  # the lease waits this long for the usage's sequence (its budget hold becomes what it cost)
+                seq = await asyncio.wait_for(asyncio.shield(publishing), LEASE_SPENT_WAIT_S)
+            except asyncio.TimeoutError:
+                log.warning("request %s: its usage is not in the stream yet; its lease goes back without it",
+                            bill.request_id)
+        else:
+            outbox.discard(bill.entry)
         if span is not None:
             span.set_attributes({"infermesh.usage_seq": seq, "infermesh.billed": bool(seq)})
         if usage is not None and usage.status == "finished":  # GenAI server metrics: from the request's arrival
@@ -280,7 +307,7 @@ class EdgeApi:
         return session.id if session else None
 
     async def _complete(self, first: str | Usage, events: AsyncIterator[str | Usage], shape: Shape,
-                        span: trace.Span) -> JsonReply:
+                        span: trace.Span, bill: _Bill) -> JsonReply:
         parts: list[str] = []
         item = first
         try:
@@ -295,11 +322,12 @@ class EdgeApi:
         finally:
             await events.aclose()
             span.end()
+        await bill.wait_journaled()
         return JsonReply(200, _json.encode(await shape.full(parts, item)),
                          {"x-infermesh-deployment": item.deployment or self.mesh.local.name})
 
     async def _sse_body(self, first: str | Usage, events: AsyncIterator[str | Usage], shape: Shape,
-                        span: trace.Span) -> AsyncIterator[bytes]:
+                        span: trace.Span, bill: _Bill) -> AsyncIterator[bytes]:
         """SSE events; the opening ones ride with the first text and the closing ones together (fewer writes)."""
         head, tail = shape.opening(), b""
         try:
@@ -309,6 +337,7 @@ class EdgeApi:
                 if out:
                     yield head + out
                     head = b""
+                    self._checkpoint(bill)
                 item = await events.__anext__()
             _record(span, shape.id, item)
             await events.aclose()  # billed and its lease released now, not after the closing (it may store)
@@ -323,6 +352,7 @@ class EdgeApi:
         finally:
             await events.aclose()
             span.end()
+        await bill.wait_journaled()  # the usage outbox has the final usage before the last byte goes
         yield head + tail
 
 
@@ -397,11 +427,31 @@ class _Bill:
     first_token_at: float = 0.0  # when its first token reached the edge (0: none did)
     ended_at: float = 0.0  # when its run settled
     trajectory: str = ""  # the agent run it belongs to (services/edge/sessions.py)
+    entry: int = 0  # its usage outbox entry (shared/usage_outbox.py)
+    delivered: Callable[[], Usage] | None = None  # what a stream delivered so far (its outbox checkpoints)
+    clock: CheckpointClock = field(default_factory=CheckpointClock)
+    journaled: asyncio.Event = field(default_factory=asyncio.Event)  # its final usage is in the outbox (or none)
 
     def settle(self, usage: Usage | None) -> None:
         if not self.settled.done():
             self.ended_at = time.time()
             self.settled.set_result(usage)
+
+    async def wait_journaled(self) -> None:
+        """Until the final usage is durable in the outbox; a slow disk never holds a response for long."""
+        try:
+            await asyncio.wait_for(self.journaled.wait(), JOURNAL_WAIT_S)
+        except asyncio.TimeoutError:
+            log.error("request %s: its usage is not in the outbox after %.0f s; ending its response anyway",
+                      self.request_id, JOURNAL_WAIT_S)
+
+
+def delivered_usage(run: RequestRun) -> Usage:
+    """A running stream's usage as if its client left now: its prompt and the tokens delivered so far."""
+    a = run.attempt
+    return Usage("cancelled", "abort", a.index, a.worker_id, a.prefill_worker_id, len(run.prompt_token_ids),
+                 a.prefill_cached or 0, len(run.output), run.ttft_ms, run.migrations, run.migration_prefill_tokens,
+                 run.deployment)
 
 
 def _trace_id(span: trace.Span, headers: Any) -> str:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
+from services.edge.prep_queue import QueueLimits
 from services.edge.reasoning import REASONING_FORMATS
 from shared.batch_schema import MAX_BATCH_FILE_BYTES
 from shared.config import BusConfig
@@ -35,6 +37,9 @@ class EdgeConfig(BusConfig):
     edge_heartbeat_s: float = 1.0
     edge_ttl_s: float = 5.0
     edge_secret: str = field(default="", repr=False)  # INFERMESH_EDGE_SECRET: the same on every edge of a mesh
+    # the usage outbox (shared/usage_journal.py): a directory that outlives the process, one per edge slot (a
+    # restarted edge replays what its predecessor left unpublished); "": usage waits in memory only
+    usage_outbox_dir: str = ""
     route_block_size: int = 16  # block size of the prompt hashes sent to the router (the router's; 0: none)
     session_from_user: bool = False  # no X-Session-Id header: use the body's ``user`` field as the session id
     admission: bool = True  # no lease, no request (needs an admission service; tests may run without)
@@ -66,8 +71,22 @@ class EdgeConfig(BusConfig):
     max_tools: int = 128  # as OpenAI
     max_tools_bytes: int = 512 << 10  # the tools array as JSON
     max_schema_depth: int = 32  # JSON nesting inside a tool's (or response_format's) schema
-    prep_processes: int = 1  # worker processes for CPU-heavy request preparation (0: all on the event loop)
+    # Request preparation (services/edge/prep_pool.py, prep_queue.py): big bodies and new tool schemas go to prep
+    # processes, shared fairly between teams; these limits apply before admission (count_tokens included)
+    prep_processes: int = field(default_factory=lambda: min(4, os.cpu_count() or 1))  # 0: all on the event loop
     inline_prep_bytes: int = 64 << 10  # bodies up to this size are prepared on the event loop (cheaper than a hop)
+    prep_team_processes: int = 0  # prep processes one team may use at once (0: half of them, at least 1)
+    prep_team_queue: int = 8  # a team's requests waiting for a prep process; one more is 429
+    prep_queue: int = 64  # all teams' requests waiting; one more is 429
+    prep_queue_bytes: int = 128 << 20  # their bodies, in bytes (edge memory)
+    prep_deadline_s: float = 30.0  # queued + running: still queued then is 503, still running 504 (process killed)
+    prep_rate_s: float = 1.0  # prep seconds per second a team may use (a bucket: 429 when empty) ...
+    prep_burst_s: float = 10.0  # ... banking up to this many
+
+    def prep_limits(self) -> QueueLimits:
+        return QueueLimits(self.prep_team_processes or max(1, self.prep_processes // 2), self.prep_team_queue,
+                           self.prep_queue, self.prep_queue_bytes, self.prep_deadline_s, self.prep_rate_s,
+                           self.prep_burst_s)
 
     def team_keys(self) -> dict[str, str]:
         keys = {}
@@ -117,5 +136,8 @@ class EdgeConfig(BusConfig):
         assert self.body_timeout_s > 0 and self.max_tools > 0 and self.max_tools_bytes > 0
         assert self.max_file_bytes > 0 and self.file_upload_timeout_s > 0
         assert self.max_schema_depth > 0 and self.prep_processes >= 0 and self.inline_prep_bytes >= 0
+        assert self.prep_team_processes >= 0 and self.prep_team_queue > 0 and self.prep_queue > 0
+        assert self.prep_queue_bytes >= self.max_body_bytes, "prep_queue_bytes must hold one body of max_body_bytes"
+        assert self.prep_deadline_s > 0 and self.prep_rate_s > 0 and self.prep_burst_s > 0
         assert self.route_timeout_s > 0 and self.first_token_timeout_s > 0 and self.inter_token_timeout_s > 0
         assert 0 < self.edge_heartbeat_s < self.edge_ttl_s, "edge_ttl_s must exceed edge_heartbeat_s"

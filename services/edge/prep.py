@@ -24,22 +24,19 @@ which raises its error.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
-import multiprocessing
-import os
+import pickle
 from array import array
-from collections import OrderedDict
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any, Callable, Literal, Sequence
 
 import msgspec
 
 from services.edge import cache_hints, messages_body, responses_body
 from services.edge.incremental import cache_scope
+from services.edge.prep_workers import serve_jobs
 from services.edge.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -54,14 +51,12 @@ from services.edge.reasoning import EFFORT_BUDGETS, TAGS, ReasoningSetup, opens_
 from services.edge.tools import ToolLimits, ToolSpec, build_constraint
 from services.edge.tools.grammar import with_thought
 from services.edge.tools.render import render_messages
-from services.edge.tools.validate import remember_checked, schema_key
+from services.edge.tools.validate import schema_key
 from shared import errors
 from shared.schema import SamplingParams, Structured, Thinking
 
 log = logging.getLogger("infermesh.edge")
 _RAW_NULL = msgspec.Raw(b"null")
-KNOWN_REQUESTS = 4096  # distinct (tools, response_format) bodies remembered as prepared
-WORKER_NICENESS = 10
 
 
 class Peek(msgspec.Struct):
@@ -321,73 +316,21 @@ def crossed(prepared: Prepared) -> Prepared:
     return prepared
 
 
-def _yield_cpu() -> None:
-    """Workers run at a lower priority: on a busy machine the event loop (every stream) gets the core first."""
-    os.nice(WORKER_NICENESS)
+def _answer(payload: bytes) -> bytes:
+    """A prep process's answer to one pickled job: a ``Prepared`` or a ``Failure``, pickled."""
+    try:
+        result = _run(pickle.loads(payload))
+    except Exception:  # justified: a bug in preparation fails its request, not the process (logged here)
+        log.exception("request preparation failed")
+        result = Failure(500, "The request could not be prepared.", "server_error", None, "internal_error")
+    return pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _context() -> multiprocessing.context.BaseContext:
-    """Workers fork from a fresh single-threaded server that imported all they need once (never from the
-    edge itself: forking a process with threads is unsafe), so a new pool's workers start in a moment."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["services.edge.prep", "transformers.models.auto.tokenization_auto",
-                                    "transformers.tokenization_utils_fast"])
-    return context
-
-
-class PrepPool:
-    """Runs ``prepare`` inline or in worker processes (see the module docstring for which and why)."""
-
-    def __init__(self, processes: int, inline_bytes: int) -> None:
-        self.processes = processes
-        self.inline_bytes = inline_bytes
-        self._executor: ProcessPoolExecutor | None = None
-        self._known: OrderedDict[bytes, None] = OrderedDict()  # schema-bearing requests prepared before
-        self.num_inline = 0
-        self.num_offloaded = 0
-
-    def is_inline(self, job: PrepJob, schema_key: bytes | None) -> bool:
-        if self.processes == 0:
-            return True
-        return len(job.body) <= self.inline_bytes and (schema_key is None or schema_key in self._known)
-
-    async def run(self, job: PrepJob, tokenizer: Any, schema_key: bytes | None = None) -> Prepared:
-        if self.is_inline(job, schema_key):
-            self.num_inline += 1
-            prepared = prepare(job, tokenizer)
-        else:
-            self.num_offloaded += 1
-            result = await self._offload(job)
-            if isinstance(result, Failure):
-                raise result.error()
-            prepared = result
-            remember_checked(prepared.checked_schemas)  # the next inline run skips those checks
-        if schema_key is not None:
-            self._known[schema_key] = None
-            if len(self._known) > KNOWN_REQUESTS:
-                self._known.popitem(last=False)
-        return prepared
-
-    async def _offload(self, job: PrepJob) -> Prepared | Failure:
-        """``_run(job)`` in a worker; a pool whose worker died (killed, out of memory) is replaced once."""
-        for attempt in (0, 1):
-            pool = self._pool()
-            try:
-                return await asyncio.get_running_loop().run_in_executor(pool, _run, job)
-            except BrokenProcessPool:
-                log.warning("a request-preparation worker died; starting a new pool")
-                if self._executor is pool:  # another request may have replaced it already: keep that one
-                    self.close()
-                if attempt:
-                    raise errors.service_unavailable("Request preparation is unavailable; retry.") from None
-        raise AssertionError("unreachable")
-
-    def _pool(self) -> ProcessPoolExecutor:
-        if self._executor is None:
-            self._executor = ProcessPoolExecutor(self.processes, mp_context=_context(), initializer=_yield_cpu)
-        return self._executor
-
-    def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
+def worker_main(conn: Connection, preload: Sequence[str]) -> None:
+    """A prep process (services/edge/prep_workers.py): load the tokenizers it will need, then answer jobs."""
+    for path in preload:
+        try:
+            _tokenizer(path)
+        except Exception:  # justified: a job for that model reports the same error as its own
+            log.exception("could not preload the tokenizer %s", path)
+    serve_jobs(conn, _answer)

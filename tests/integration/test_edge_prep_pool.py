@@ -1,4 +1,4 @@
-"""The edge's request-preparation worker processes (services/edge/prep.py PrepPool), for real."""
+"""The edge's request-preparation processes (services/edge/prep_pool.py PrepPool), for real."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import signal
 
 import pytest
 
-from services.edge.prep import PrepJob, PrepPool, prepare
+from services.edge.prep import PrepJob, prepare
+from services.edge.prep_pool import PrepPool
 from shared import errors
 
 pytestmark = [pytest.mark.integration]
@@ -47,7 +48,7 @@ async def test_a_worker_error_is_the_same_api_error(pool, tiny_model):
 async def test_a_killed_worker_is_replaced_and_the_request_still_served(pool, tiny_model):
     job = chat_job(str(tiny_model), "hello", max_tokens=2)
     await pool.run(job, None)
-    for pid in list(pool._executor._processes):  # the worker dies (say, out of memory)
+    for pid in pool.pids():  # the worker dies (say, out of memory)
         os.kill(pid, signal.SIGKILL)
     prepared = await pool.run(job, None)
     assert prepared.prompt_ids and pool.num_offloaded == 2

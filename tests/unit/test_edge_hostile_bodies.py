@@ -11,7 +11,8 @@ from array import array
 import pytest
 from jsonschema import Draft202012Validator
 
-from services.edge.prep import Failure, PrepJob, PrepPool, _run, peek, prepare
+from services.edge.prep import Failure, PrepJob, _run, peek, prepare
+from services.edge.prep_pool import PrepPool
 from services.edge.tools import ToolLimits, validate as tool_validate
 from shared import errors
 
