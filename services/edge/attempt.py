@@ -367,17 +367,20 @@ class RequestRun:
     def _drained(self, end: StreamEnd | None) -> list[Action]:
         """A cancelled request's abort drained: the engine's end message (None: none came in time) settles it.
 
-        Before the first token the end message decides: the prompt the engine reports computing is billed;
-        without one, nothing is. A remote prefill's one token was never the client's: no completion tokens."""
+        Before the first token the end message decides: the prompt the engine reports computing is billed (none if
+        it never ran it), or the whole prompt a prefill worker already computed; without an end message, nothing is.
+        A remote prefill's one token was never the client's: no completion tokens."""
         a = self.attempt
         stream_id = f"{a.stream_id}-prefill" if self.draining_prefill else a.stream_id
         usage = self.usage
         if end is not None:
             status, reason = ("cancelled", "abort") if usage is None else (usage.status, usage.finish_reason)
             completion = len(self.output) if self.draining_prefill else max(len(self.output), end.num_output_tokens)
+            prompt = len(self.prompt_token_ids)
+            if usage is None and a.prefill_cached is None:  # only what this engine computed of it
+                prompt = min(end.num_prompt_tokens, prompt)
             usage = Usage(status, reason, a.index, a.worker_id, a.prefill_worker_id,  # type: ignore[arg-type]
-                          end.num_prompt_tokens if usage is None else len(self.prompt_token_ids),
-                          _cached(a.prefill_cached, end.num_cached_tokens, len(self.prompt_token_ids)), completion,
+                          prompt, _cached(a.prefill_cached, end.num_cached_tokens, prompt), completion,
                           self.ttft_ms, self.migrations, self.migration_prefill_tokens, self.deployment)
         return [Close(stream_id), Settle(self._settle(usage))]
 

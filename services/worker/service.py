@@ -206,15 +206,24 @@ class WorkerService:
         if not self.serving:  # delivered before the unsubscribe took effect
             await stream.error("worker_unavailable", f"worker {self.worker_id}'s engine is restarting")
             return
+        running = self._tasks.get(request.request_id)
+        if running is not None and not running.done():  # engines key requests by id: a second would take the first's
+            log.warning("generate %s while a request of that id runs here: refused", request.request_id)
+            await stream.error("engine_error", f"a request with id {request.request_id} is already running")
+            return
         task = asyncio.create_task(self._run(request, stream), name=f"gen-{request.request_id}")
         self._tasks[request.request_id] = task
         self._streams[request.request_id] = stream
         self.orphans.track(request.request_id, raw.reply)
-        task.add_done_callback(lambda _t, rid=request.request_id: self._forget(rid))
+        task.add_done_callback(lambda done, rid=request.request_id: self._forget(rid, done))
         self._load_changed.set()
 
-    def _forget(self, request_id: str) -> None:
-        self._tasks.pop(request_id, None)
+    def _forget(self, request_id: str, task: asyncio.Task[None]) -> None:
+        """``task`` ended: its entries go, unless a newer request of the same id took them (its callback runs
+        after the task ended, and a generate may have come in between)."""
+        if self._tasks.get(request_id) is not task:
+            return
+        del self._tasks[request_id]
         self._streams.pop(request_id, None)
         self.orphans.untrack(request_id)
 
@@ -240,7 +249,7 @@ class WorkerService:
                         if request.request_id in self.orphans.orphaned:  # aborted before the engine had it
                             await self.engine.abort(request.request_id)
                         continue
-                    num_prompt = out.num_prompt_tokens or len(request.prompt_token_ids)
+                    num_prompt = out.num_prompt_tokens  # what the engine computed (0: it never ran the prompt)
                     await stream.end(out.finish_reason, num_prompt, out.num_cached_tokens, num_output,
                                      out.kv_transfer)
                     if request.request_id in self.orphans.orphaned:

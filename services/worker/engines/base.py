@@ -84,6 +84,8 @@ class EngineOutput:
 
     token_ids: list[int]
     finish_reason: str | None = None
+    # prompt tokens the engine computed (cache hits and pulled KV included): the whole prompt once a token was made,
+    # fewer (0 if never scheduled) for a request aborted before its first token; what such a request is billed
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     kv_transfer: KvTransfer | None = None  # a prefill worker's handle to the KV it computed

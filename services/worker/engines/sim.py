@@ -112,6 +112,15 @@ def sim_token_ids(prompt_token_ids: list[int], seed: int | None, count: int) -> 
     return [draw_token(rng, pool) for _ in range(count)]
 
 
+def prompt_computed(r: SimRequest, num_prompt: int) -> int:
+    """The prompt tokens (of ``num_prompt``) the scheduler has in ``r``'s KV, cache hits and pulled KV included:
+    the whole prompt once a token was made, else the chunks prefilled so far (0 if never scheduled: an abort in
+    the queue computed nothing). A chunk lost to a preemption before the first token is not counted."""
+    if r.output_token_ids or r.finish_reason not in (None, "abort"):
+        return num_prompt
+    return min(r.num_computed_tokens, num_prompt)
+
+
 def check_grammar(decoder: ConstrainedDecoder, tokens: list[int], decode) -> None:
     """Accept ``tokens`` (a scripted answer) in ``decoder``, each checked against its allowed-token mask;
     EngineRequestError naming the first token the grammar refuses."""
@@ -126,6 +135,7 @@ def check_grammar(decoder: ConstrainedDecoder, tokens: list[int], decode) -> Non
 @dataclass(slots=True)
 class _Stream:
     request: SimRequest
+    num_prompt: int  # the prompt alone (a migrated request's ``request`` also holds the tokens it resumed with)
     pending: list[int] = field(default_factory=list)
     outputs: asyncio.Queue[EngineOutput | EngineHookError] = field(default_factory=asyncio.Queue)
     num_sent: int = 0
@@ -211,7 +221,7 @@ class SimEngine(Engine):
                             script=script, thought=ThoughtBudget(sampling.thinking) if sampling.thinking else None)
         except ValueError as exc:
             raise EngineRequestError(str(exc)) from None
-        stream = _Stream(request)
+        stream = _Stream(request, len(prompt_token_ids))
         self._streams[request_id] = stream
         self._wake.set()
         try:
@@ -342,7 +352,8 @@ class SimEngine(Engine):
         if finish_reason == "remote":
             handle = KvTransfer(self.config.worker_id, r.request_id, len(r.prompt_token_ids))
         timings = self._timings(r) if finish_reason not in (None, "abort") else None
-        stream.outputs.put_nowait(EngineOutput(tokens, finish_reason, len(r.prompt_token_ids), r.num_cached_tokens,
+        computed = prompt_computed(r, stream.num_prompt)
+        stream.outputs.put_nowait(EngineOutput(tokens, finish_reason, computed, min(r.num_cached_tokens, computed),
                                                handle, timings))
 
     def _timings(self, r: SimRequest) -> EngineTimings | None:

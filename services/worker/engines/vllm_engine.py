@@ -331,14 +331,16 @@ class VllmEngine(Engine):
                     if remote_decode and out.kv_transfer_params and reason != "abort":
                         handle = KvTransfer(self.config.worker_id, request_id, len(prompt_token_ids),
                                             dict(out.kv_transfer_params))
-                    yield EngineOutput(token_ids, reason, len(prompt_token_ids), num_cached, handle,
+                    computed = prompt_computed(len(prompt_token_ids), state.num_output_tokens, reason)
+                    yield EngineOutput(token_ids, reason, computed, min(num_cached, computed), handle,
                                        _timings(out.metrics))
                     return
                 if token_ids:
                     yield EngineOutput(token_ids, None, len(prompt_token_ids), num_cached)
             self._raise_if_hook_failed(request_id)
             # vLLM ends an aborted request's stream without a finished output
-            yield EngineOutput([], "abort", len(prompt_token_ids), num_cached)
+            computed = prompt_computed(len(prompt_token_ids), state.num_output_tokens, "abort")
+            yield EngineOutput([], "abort", computed, min(num_cached, computed))
         except EngineDeadError as exc:  # vLLM fails every request of a dead engine core with it
             raise self._core_watch.dead("a request failed with EngineDeadError (the engine core stopped)") from exc
         finally:
@@ -454,6 +456,16 @@ async def _rejections_as(stream: AsyncIterator[Any], rejection: type[Exception])
 
 class EngineFinishedWithError(RuntimeError):
     """vLLM finished the request with its ``error`` reason: a grammar it could not compile, a KV load that failed."""
+
+
+def prompt_computed(num_prompt: int, num_output: int, reason: str) -> int:
+    """The prompt tokens vLLM computed for a request that ended with ``reason`` after ``num_output`` tokens.
+
+    vLLM (0.32) sends its frontend nothing of a request before its prefill completed (the engine core sends no
+    partial-prefill output, and the scheduler's ``num_computed_tokens`` stays in the core), so an abort's final
+    output is all there is: the whole prompt once a token came (or it ended otherwise than aborted), else none.
+    A prompt aborted part-way through a chunked prefill is reported 0: the chunks done are the platform's loss."""
+    return num_prompt if num_output or reason != "abort" else 0
 
 
 def finish_reason(vllm_reason: str | None) -> Literal["stop", "length", "abort"]:
