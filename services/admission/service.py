@@ -90,6 +90,7 @@ class AdmissionService:
         self._subs: list[object] = []
         self._tick: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self._election = 0  # which election's ledgers a grant was decided on: a grant of an older one is fenced
         self._store: LeaseStore | None = None  # the leases bucket
         self.budgets = Budgets()
         self._lapsing: list[str] = []  # lapsed leases whose reservations are not yet holds
@@ -141,6 +142,7 @@ class AdmissionService:
 
     # ------------------------------------------------------------ leadership
     async def _elected(self) -> None:
+        self._election += 1
         await self._restore()
         s = self.bus.subjects
         self._subs = [
@@ -151,6 +153,7 @@ class AdmissionService:
         self._tick = asyncio.create_task(self._tick_loop(), name="admission-tick")
 
     async def _deposed(self) -> None:
+        self._election += 1  # grants being written are fenced: none is answered granted from here (_answer_grant)
         await cancel_and_wait(self._tick)  # first: no grant from the queue once deposed
         subs, self._subs = self._subs, []
         await stop_serving(subs)  # what was received is answered (acquires: admission_moved), not dropped
@@ -361,15 +364,23 @@ class AdmissionService:
         holder hears of it. (Awaited in turn, 16 requests arriving at once waited ~16 ms for admission.)"""
         if raw is not None:
             self._granting[grant.lease.lease_id] = raw
-        task = asyncio.get_running_loop().create_task(self._answer_grant(model, grant, raw))
+        task = asyncio.get_running_loop().create_task(self._answer_grant(model, grant, raw, self._election))
         self._background.add(task)  # keep a reference until it is done
         task.add_done_callback(self._background.discard)
 
-    async def _answer_grant(self, model: str, grant: Grant, raw: Msg | None = None) -> None:
+    def _may_grant(self, election: int) -> bool:
+        """The grant's election is the current one and its key cannot have expired: a standby cannot be
+        granting from the same capacity."""
+        return election == self._election and self.leadership.still_leader()
+
+    async def _answer_grant(self, model: str, grant: Grant, raw: Msg | None, election: int) -> None:
         ledger = self.ledgers.get(model)  # (none if this replica stepped down meanwhile)
         if ledger is not None:
             await self._tell_revoked(ledger)  # a grant may have revoked batch leases: they go first
         lease = grant.lease
+        if not self._may_grant(election):
+            await self._fenced(model, lease.lease_id, raw, election, recorded=False)
+            return
         record = LeaseRecord(lease.lease_id, lease.team, lease.klass, model, lease.tokens, lease.holder,
                              self.budgets.reserved_nano(lease.lease_id))
         assert self._store is not None
@@ -377,6 +388,9 @@ class AdmissionService:
             await self._store.put_lease(record)  # durable before the holder hears of it
         except Exception as exc:  # the bucket unwritable (its NATS server lost, a leader being elected): no grant
             await self._ungranted(model, lease.lease_id, raw, exc)
+            return
+        if not self._may_grant(election):  # stepped down while the record was written
+            await self._fenced(model, lease.lease_id, raw, election, recorded=True)
             return
         # a waiter leaves the queue only now: if this is cut short (the replica steps down), it is still answered
         raw = self._granting.pop(lease.lease_id, None) or raw or self._waiting.pop(lease.lease_id, None)
@@ -386,6 +400,23 @@ class AdmissionService:
             await self._on_release(LeaseRelease(lease.lease_id), None)  # type: ignore[arg-type]
             return
         await self.bus.respond(raw, LeaseGranted(lease.lease_id, self.config.lease_ttl_s))
+
+    async def _fenced(self, model: str, lease_id: str, raw: Msg | None, election: int, recorded: bool) -> None:
+        """A grant decided by a leader that is no longer surely the leader: never answered granted. Its record
+        (if written) goes, its requester asks the new leader; a grant of this election gives its capacity and
+        reservation back (of an older one, the step-down already dropped them)."""
+        self.stats["grants_fenced"] += 1
+        assert self._store is not None
+        if recorded:  # (a successor that restored it meanwhile holds it until its TTL: it is never renewed)
+            await self._store.forget_lease(lease_id)
+        raw = self._granting.pop(lease_id, None) or raw or self._waiting.pop(lease_id, None)
+        if election == self._election:
+            self.budgets.drop(lease_id)
+            ledger = self.ledgers.get(model)
+            for grant in ledger.release(lease_id, time.time()) if ledger is not None else ():
+                self._grant(model, grant)
+        if raw is not None:
+            await self.bus.respond(raw, LeaseRejected("admission_moved", "admission is changing leader", 0.5))
 
     async def _ungranted(self, model: str, lease_id: str, raw: Msg | None, exc: Exception) -> None:
         """A grant whose lease record could not be written: its capacity and reservation go back, and its

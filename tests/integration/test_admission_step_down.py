@@ -18,6 +18,7 @@ from services.admission.leader import LEADER_KEY
 from shared import schema
 from shared.bus import Bus, BusError
 from shared.kv_cas import ensure_bucket
+from shared.kv_keys import live_keys
 from shared.schema import LeaseGranted, LeaseRejected, LeaseReply, LeaseRequest, WorkerInfo
 from tests.utils import eventually
 
@@ -111,5 +112,47 @@ async def test_a_lease_that_cannot_be_recorded_is_refused_at_once_and_its_capaci
         writes.failing = False
         granted = await ask()  # the refused lease holds no capacity: the pool's only slot is free
         assert isinstance(granted, LeaseGranted), granted
+    finally:
+        await mesh.stop()
+
+
+class HeldLeaseWrite:
+    """The leader's lease writes as they are, except that the first waits until ``go`` is set (a slow JetStream
+    round trip); ``entered`` once it waits."""
+
+    def __init__(self, put_lease) -> None:
+        self.put_lease, self.entered, self.go = put_lease, asyncio.Event(), asyncio.Event()
+
+    async def __call__(self, record) -> None:
+        if not self.entered.is_set():
+            self.entered.set()
+            await self.go.wait()
+        await self.put_lease(record)
+
+
+async def test_a_grant_being_written_when_the_leader_steps_down_is_not_answered_granted(nats_url, namespace, bus):
+    """Review finding 11: a grant's task wrote its lease record and answered granted after its leader had stepped
+    down, while the new leader granted from the same capacity. It is fenced: the requester asks the new leader,
+    and the record does not stay in the bucket."""
+    workers = await ensure_bucket(bus, bus.subjects.workers_bucket)
+    await workers.put("w-1", schema.encode(WorkerInfo("w-1", "both", "m", "sim", 16, 1000, 4096, "none",
+                                                      heartbeat_ttl_s=3600.0)))
+    mesh = LocalMesh(nats_url, namespace)
+    try:
+        leader = await mesh.start_admission(admission_id="adm-a", leader_ttl_s=3.0)
+        await eventually(lambda: leader.leadership.is_leader, 10)
+        held = leader._store.put_lease = HeldLeaseWrite(leader._store.put_lease)
+        asked = asyncio.create_task(_acquire(bus))
+        await asyncio.wait_for(held.entered.wait(), 5)  # granted; its record is being written
+
+        leases = await bus.js.key_value(bus.subjects.leases_bucket)
+        await leases.put(LEADER_KEY, b"adm-b")  # another replica's write: the leader steps down
+        await eventually(lambda: not leader.leadership.is_leader, 10)
+        held.go.set()
+        reply = await asked
+
+        assert isinstance(reply, LeaseRejected) and reply.code == "admission_moved", reply
+        assert leader.stats["grants_fenced"] == 1
+        assert [key for key in await live_keys(leases) if key.startswith("l-")] == []
     finally:
         await mesh.stop()
