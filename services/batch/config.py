@@ -23,9 +23,18 @@ class BatchConfig(BusConfig):
     leader_ttl_s: float = 5.0  # one replica runs the jobs; another takes over this long after it died
     dispatch_order: str = "prefix"  # within a job: "prefix" (shared prefixes together) | "shuffled" (benchmarks)
     completion_window_s: int = 0  # a job's deadline after its creation (0: its completion_window, 24 h)
+    max_jobs_per_team: int = 100  # a team's unfinished jobs at once; one more is refused (429, OpenAI's words)
+    max_input_bytes_per_team: int = 2 * 1024**3  # the input bytes of a team's unfinished jobs, the new one's too
+    submit_retry_s: float = 2.0  # a bus submission that failed unexpectedly (a database blip) comes again after this
+    submit_max_deliveries: int = 5  # ... up to this many times; then it is a failed job saying why (submissions.py)
+    submit_restart_s: float = 1.0  # the submissions consumer that died is restarted after this, doubling
+    submit_restart_max_s: float = 30.0
 
     def __post_init__(self) -> None:
         assert self.max_in_flight >= 1 and self.line_timeout_s > 0 and 0 < self.retry_s <= self.retry_max_s
         assert self.max_line_tries >= 1 and self.tick_s > 0 and self.leader_ttl_s >= 1
         assert self.dispatch_order in DISPATCH_ORDERS, f"dispatch_order must be one of {DISPATCH_ORDERS}"
         assert self.completion_window_s >= 0
+        assert self.max_jobs_per_team >= 1 and self.max_input_bytes_per_team >= 1
+        assert self.submit_retry_s > 0 and self.submit_max_deliveries >= 1
+        assert 0 < self.submit_restart_s <= self.submit_restart_max_s

@@ -13,14 +13,12 @@ stream: no line ends twice in the output, none is billed twice (its request id i
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
 
 import msgspec
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from services.admission.leader import Leadership
 from services.batch import store, tracing
@@ -29,6 +27,7 @@ from services.batch.job import BatchJob
 from services.batch.lines import parse_input
 from services.batch.runner import Runner
 from services.batch.streams import ensure_batch_streams
+from services.batch.submissions import SubmissionConsumer
 from services.metering.db import create_engine, database_url, wait_for_schema
 from shared.batch_schema import (
     TERMINAL_STATUSES,
@@ -48,7 +47,6 @@ from shared.telemetry import traced
 log = logging.getLogger("infermesh.batch")
 WINDOW_S = {"24h": 24 * 3600}
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
-SUBMIT_DURABLE = "batch"
 
 
 class ApiRefusal(Exception):
@@ -64,14 +62,14 @@ class BatchService:
         self.engine = create_engine(database_url(config.database_url))
         self.files = FileStore(bus)
         self.runner = Runner(bus, self.files, config, self._save)
-        self.metrics = service_registry("infermesh_batch", lambda: self.runner.stats, lambda: {
+        self.submissions = SubmissionConsumer(bus, config, self._submitted, self._poisoned)
+        self.metrics = service_registry("infermesh_batch", self._stats, lambda: {
             "leader": float(self.leadership.is_leader), "jobs_running": len(self.runner.runs),
+            "submissions_consumer_up": float(self.submissions.up),
             "lines_in_flight": sum(len(run.in_flight) for run in self.runner.runs.values())})
         self.leadership = Leadership(bus, bus.subjects.batch_bucket, self.replica_id, config.leader_ttl_s,
                                      self._elected, self._deposed, service="batch")
         self._subs: list = []
-        self._submit_task: asyncio.Task[None] | None = None
-        self._consuming = False  # the submissions loop runs while this is set (nats-py's fetch can swallow a cancel)
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -94,20 +92,22 @@ class BatchService:
         await self.runner.start()
         for record in await store.unfinished_jobs(self.engine):
             await self._resume(record)
-        self._consuming = True
-        self._submit_task = asyncio.create_task(self._consume_submissions(), name="batch-submissions")
+        await self.submissions.start()
 
     async def _deposed(self) -> None:
         for sub in self._subs:
             await sub.unsubscribe()
         self._subs.clear()
-        self._consuming = False
-        if self._submit_task is not None:  # it ends within a fetch's timeout even if the cancel is swallowed
-            self._submit_task.cancel()
-            await asyncio.wait([self._submit_task], timeout=3)
-            self._submit_task = None
+        await self.submissions.stop()
         await self.runner.stop()
         self.runner = Runner(self.bus, self.files, self.config, self._save)
+
+    def _stats(self) -> dict[str, int]:
+        return {**self.runner.stats, **self.submissions.stats}
+
+    def healthy(self) -> bool:
+        """/health: a leader whose submissions consumer is down (between a death and its restart) is not."""
+        return not self.leadership.is_leader or self.submissions.up
 
     # ------------------------------------------------------------ state out
     async def _save(self, record: BatchJobRecord) -> BatchJobRecord:
@@ -219,30 +219,10 @@ class BatchService:
         await self.runner.add(BatchJob(record), parse_input(data, record.endpoint))  # type: ignore[arg-type]
         log.info("batch %s of %s resumed (%s)", record.id, record.team, record.request_counts)
 
-    # ------------------------------------------------------------ the bus way in
-    async def _consume_submissions(self) -> None:
-        s = self.bus.subjects
-        sub = await self.bus.js.pull_subscribe(
-            s.batch_submit_all, durable=SUBMIT_DURABLE, stream=s.batch_submit_stream,
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=60, deliver_policy=DeliverPolicy.ALL))
-        try:
-            while self._consuming:
-                try:
-                    messages = await sub.fetch(8, timeout=1)
-                except asyncio.TimeoutError:
-                    continue
-                except Exception as exc:  # the bus away a moment
-                    log.warning("batch submissions: %s", exc)
-                    await asyncio.sleep(1)
-                    continue
-                for msg in messages:
-                    await self._submitted(msg)
-        finally:  # else a fetch's late answer waits in its queue and the connection's drain waits for it
-            await sub.unsubscribe()
-
+    # ------------------------------------------------------------ the bus way in (submissions.py consumes)
     async def _submitted(self, msg: Msg) -> None:
-        team = msg.subject.rsplit(".", 1)[-1]
-        submit_id = (msg.headers or {}).get("Nats-Msg-Id") or f"seq-{msg.metadata.sequence.stream}"
+        """A submission's job made, or its refusal recorded; any other error raises (the consumer retries it)."""
+        team, submit_id = msg.subject.rsplit(".", 1)[-1], _submit_id(msg)
         try:
             submit = msgspec.json.decode(msg.data, type=BatchSubmit)
             input_file_id = submit.input_file_id
@@ -256,7 +236,9 @@ class BatchService:
             await self._refused(team, submit_id, f"the submission is not a BatchSubmit: {exc}")
         except msgspec.DecodeError as exc:
             await self._refused(team, submit_id, f"the submission is not JSON: {exc}")
-        await msg.ack()
+
+    async def _poisoned(self, msg: Msg, message: str) -> None:
+        await self._refused(msg.subject.rsplit(".", 1)[-1], _submit_id(msg), message)
 
     async def _refused(self, team: str, submit_id: str, message: str) -> None:
         """A submission that cannot make a job: a failed job under its id says why (the client follows it)."""
@@ -268,3 +250,7 @@ class BatchService:
         if created:
             await self._save(record)
         log.warning("batch submission %s of %s refused: %s", submit_id, team, message)
+
+
+def _submit_id(msg: Msg) -> str:
+    return (msg.headers or {}).get("Nats-Msg-Id") or f"seq-{msg.metadata.sequence.stream}"
