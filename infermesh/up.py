@@ -243,7 +243,10 @@ def start_processes(group: ProcessGroup, options: MeshOptions, model_path: str, 
     if options.reasoning_parser:
         edge_args += ["--reasoning-parser", options.reasoning_parser]
     for i in range(options.edge_replicas):
-        service("edge" if options.edge_replicas == 1 else f"edge-{i}", "services.edge", edge_args,
+        name = "edge" if options.edge_replicas == 1 else f"edge-{i}"
+        # its usage outbox, per slot (not per edge id): the edge restarted in this slot replays what it left
+        outbox = ["--usage-outbox-dir", str(state / name / "usage-outbox")]
+        service(name, "services.edge", [*edge_args, *outbox],
                 {**env, "INFERMESH_DEV_KEY": options.dev_key, "INFERMESH_EDGE_SECRET": edge_secret})
     return nats_url
 

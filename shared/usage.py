@@ -1,7 +1,10 @@
 """The usage stream: every billed attempt, durable in JetStream until metering has committed it.
 
     await ensure_usage_stream(bus)          # edges and metering both make sure it exists
-    seq = await UsagePublisher(bus).publish(event)
+    seq = await UsagePublisher(bus).publish(event)   # retried until JetStream has it
+
+The edge bills each response through its usage outbox (``UsagePublisher(bus, journal)``: ``open``,
+``checkpoint`` while it streams, ``record`` before its last byte, ``submit``; ``replay`` on start).
 
 Each message carries ``Nats-Msg-Id: <request_id>:<attempt>``, so an edge that publishes again
 after a lost acknowledgement adds nothing inside the stream's duplicate window; metering's
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
+import random
 
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
@@ -26,21 +29,28 @@ from shared import schema
 from shared.bus import Bus
 from shared.replication import stream_replicas
 from shared.schema import UsageEvent
+from shared.storage_caps import store_caps
+from shared.tasks import cancel_and_wait
 from shared.telemetry import traced
+from shared.usage_journal import UsageJournal
 
 log = logging.getLogger("infermesh.usage")
 RETENTION_S = 7 * 24 * 3600.0  # metering may be away this long without losing usage
 DEAD_LETTER_RETENTION_S = 30 * 24 * 3600.0  # an operator has this long to read and replay a dead letter
 DUPLICATE_WINDOW_S = 300.0
+# a finished request's lease waits this long for its usage's stream sequence (its budget hold becomes what it
+# cost); past it the lease goes back without it, and the usage is still published (never dropped)
+LEASE_SPENT_WAIT_S = 120.0
+ORPHAN_PUBLISH_WAIT_S = 120.0  # an orphan report not billed in this long is naked: it waits in its own stream
 
 
 async def ensure_usage_stream(bus: Bus) -> None:
-    await _ensure_stream(bus, bus.subjects.usage_stream, bus.subjects.usage, RETENTION_S)
+    await _ensure_stream(bus, bus.subjects.usage_stream, bus.subjects.usage, RETENTION_S, store_caps().usage)
 
 
 async def ensure_dead_letter_stream(bus: Bus) -> None:
     await _ensure_stream(bus, bus.subjects.usage_dead_letter_stream, bus.subjects.usage_dead_letters,
-                         DEAD_LETTER_RETENTION_S)
+                         DEAD_LETTER_RETENTION_S, store_caps().usage_dead_letters)
 
 
 def dead_letter_id(stream_seq: int) -> str:
@@ -48,10 +58,11 @@ def dead_letter_id(stream_seq: int) -> str:
     return f"usage-seq-{stream_seq}"
 
 
-async def _ensure_stream(bus: Bus, name: str, subject: str, max_age_s: float) -> None:
+async def _ensure_stream(bus: Bus, name: str, subject: str, max_age_s: float, max_bytes: int) -> None:
+    """The stream, its ``max_bytes`` reserved (shared/storage_caps.py): no other stream filling up takes its room."""
     config = StreamConfig(name=name, subjects=[subject], retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
                           max_age=max_age_s, duplicate_window=DUPLICATE_WINDOW_S,
-                          num_replicas=stream_replicas())
+                          num_replicas=stream_replicas(), max_bytes=max_bytes)
     try:
         await bus.js.add_stream(config)
     except BadRequestError:  # it exists with another config (an operator changed it): keep theirs
@@ -63,39 +74,122 @@ def dedupe_id(event: UsageEvent) -> str:
 
 
 class UsagePublisher:
-    def __init__(self, bus: Bus, give_up_s: float = 120.0) -> None:
-        self.bus = bus
-        self.give_up_s = give_up_s
+    """Gets usage into the stream, never giving up: each publish is retried with capped backoff until JetStream
+    acknowledges it. With a journal (``shared/usage_journal.py``) the usage of each response is durable before
+    the response ends, and what a dead edge left unpublished is published again by the next edge of its slot
+    (``replay``): a JetStream outage of any length, or the edge's own death, loses no usage.
+
+    ``pending`` (carried by the edge's heartbeat: workers keep the reports of its ended requests while it is
+    not 0, ``services/worker/orphans.py``) counts final usage not yet acknowledged by JetStream."""
+
+    def __init__(self, bus: Bus, journal: UsageJournal | None = None, max_delay_s: float = 5.0,
+                 concurrency: int = 64) -> None:
+        self.bus, self.journal = bus, journal
+        self.max_delay_s = max_delay_s
         self.published = 0
-        self.lost = 0
-        # usage messages not yet in the stream (JetStream away or electing a leader): the edge's heartbeat
-        # carries this, and workers keep the reports of its ended requests while it is not 0 (worker/orphans.py)
-        self.pending = 0
+        self.retries = 0
+        self.lost = 0  # usage given up on: none since the publisher never gives up (the benches report it)
+        self.unjournaled = 0  # final usage the journal could not write (kept in memory only)
+        self._unpublished: set[int] = set()  # entries whose final usage is not yet in the stream
+        self._in_flight = 0  # publish() calls without an entry, not yet in the stream
+        self._next_entry = 0  # entry ids without a journal
+        self._attempts = asyncio.Semaphore(concurrency)  # a backlog retries a bounded number at a time
+        self._tasks: set[asyncio.Task[int]] = set()
+
+    @property
+    def pending(self) -> int:
+        return len(self._unpublished) + self._in_flight
+
+    def open(self) -> int:
+        """A new entry: one response's usage, from its first checkpoint to its retirement."""
+        if self.journal is not None:
+            return self.journal.outbox.open()
+        self._next_entry += 1
+        return self._next_entry
+
+    def checkpoint(self, entry: int, event: UsageEvent) -> None:
+        """What a running stream delivered so far (billed if the edge dies before its end): group-committed."""
+        if self.journal is not None:
+            self.journal.write(entry, "checkpoint", event)
+
+    async def record(self, entry: int, event: UsageEvent) -> bool:
+        """The response's final usage, durable on return (True) unless the journal failed or there is none: the
+        response's last byte may go. Never raises: a failed write keeps the usage in memory (logged)."""
+        self._unpublished.add(entry)
+        if self.journal is None:
+            return False
+        try:
+            durable = await self.journal.commit(entry, "final", event)
+        except Exception:
+            log.exception("usage outbox: the final usage of %s was not written", dedupe_id(event))
+            durable = False
+        self.unjournaled += not durable
+        return durable
+
+    def discard(self, entry: int) -> None:
+        """Nothing to bill for this entry (no usage, or a preempted batch line): retire it unpublished."""
+        self._unpublished.discard(entry)
+        if self.journal is not None:
+            self.journal.write(entry, "retired")
+
+    def submit(self, entry: int, event: UsageEvent) -> "asyncio.Task[int]":
+        """Publish ``entry``'s final usage in the background (until acknowledged), then retire it."""
+        self._unpublished.add(entry)
+        task = asyncio.get_running_loop().create_task(self._publish_entry(entry, event))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def replay(self) -> int:
+        """Publish every entry a previous edge of this slot left in the journal; returns how many."""
+        if self.journal is None:
+            return 0
+        live = self.journal.outbox.live()
+        for record in live:
+            assert record.event is not None
+            log.warning("usage outbox: replaying the %s usage of %s", record.kind, dedupe_id(record.event))
+            self.submit(record.id, record.event)
+        return len(live)
+
+    async def stop(self) -> None:
+        """Stop retrying (what is unpublished stays in the journal for the next edge of the slot)."""
+        await cancel_and_wait(*self._tasks)
 
     async def publish(self, event: UsageEvent) -> int:
-        """The message's stream sequence once JetStream has it (retried while NATS is away); 0 if lost."""
-        self.pending += 1
+        """The message's stream sequence once JetStream has it (retried until it does)."""
+        self._in_flight += 1
         try:
             return await self._publish(event)
         finally:
-            self.pending -= 1
+            self._in_flight -= 1
+
+    async def publish_within(self, event: UsageEvent, timeout_s: float) -> int:
+        """``publish``, for usage held durably elsewhere (an orphan report): 0 if not in the stream in time."""
+        try:
+            return await asyncio.wait_for(self.publish(event), timeout_s)
+        except asyncio.TimeoutError:
+            return 0
+
+    async def _publish_entry(self, entry: int, event: UsageEvent) -> int:
+        seq = await self._publish(event)
+        self._unpublished.discard(entry)
+        if self.journal is not None:
+            self.journal.write(entry, "retired")
+        return seq
 
     async def _publish(self, event: UsageEvent) -> int:
         data, headers = schema.encode(event), traced({"Nats-Msg-Id": dedupe_id(event)})
-        deadline, delay = time.monotonic() + self.give_up_s, 0.05
+        delay = 0.05
         while True:
             try:
-                ack = await self.bus.js.publish(self.bus.subjects.usage, data, headers=headers, timeout=2.0)
+                async with self._attempts:
+                    ack = await self.bus.js.publish(self.bus.subjects.usage, data, headers=headers, timeout=2.0)
                 self.published += 1
                 return ack.seq
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                if time.monotonic() + delay > deadline:
-                    self.lost += 1
-                    log.error("usage of %s lost after %.0f s of retries (%s): %s", dedupe_id(event), self.give_up_s,
-                              exc, event)
-                    return 0
-                log.warning("usage publish of %s failed (%s): retrying", dedupe_id(event), exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                self.retries += 1
+                log.warning("usage publish of %s failed (%s): retrying in %.2f s", dedupe_id(event), exc, delay)
+                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+                delay = min(delay * 2, self.max_delay_s)

@@ -39,7 +39,7 @@ from services.edge.tokenizer import ModelTokenizer
 from services.edge.tools import ToolCallParser, ToolLimits, make_parser
 from shared import bus_limits, errors, schema
 from shared.metrics import GenAiServerMetrics
-from shared.schema import BillingContext, LeaseRelease, SamplingParams, UsageEvent
+from shared.schema import BillingContext, LeaseRelease, RequestClass, SamplingParams, UsageEvent
 from shared.telemetry import sampled_trace_id
 from shared.usage import LEASE_SPENT_WAIT_S
 from shared.usage_outbox import CheckpointClock
@@ -199,7 +199,8 @@ class EdgeApi:
         return reply
 
     def _revocable(self, events: AsyncIterator[str | Usage], klass: str, bill: _Bill) -> AsyncIterator[str | Usage]:
-        """A batch-class request's events end in 429 ``preempted`` if admission revokes its lease (unbilled)."""
+        """A batch-class request's events (a batch line's: the class is granted, never claimed) end in 429
+        ``preempted`` if admission revokes its lease; the batch service runs the line again, billed once."""
         if klass != "batch" or bill.lease is None or bill.lease[0].admission is None:
             return events
         link, lease_id = bill.lease
@@ -243,7 +244,7 @@ class EdgeApi:
 
     async def _publish_usage(self, bill: _Bill, usage: Usage | None, span: trace.Span | None) -> None:
         seq, outbox = 0, self.mesh.usage
-        if usage is not None and not bill.preempted:  # a preempted attempt is the platform's loss, never billed
+        if usage is not None and bill.billable:
             event = self._usage_event(bill, usage)
             await outbox.record(bill.entry, event)  # durable before the response's last byte (see _sse_body)
             bill.journaled.set()
@@ -282,11 +283,14 @@ class EdgeApi:
             raise errors.prompt_too_large_for_bus(len(prompt_ids), need, limit, param)
 
     @staticmethod
-    def _request_class(request: HttpRequest) -> str:
-        klass = request.headers.get("x-request-class", "interactive")
-        if klass not in CLASSES:
+    def _request_class(request: HttpRequest) -> RequestClass:
+        """The class admission gives the request: granted, never claimed. ``batch`` (idle capacity only, preempted
+        for interactive traffic) is the batch service's lines' (they carry their job); a client's
+        ``X-Request-Class`` only labels its request, which runs (and is billed) as interactive."""
+        asked = request.headers.get("x-request-class", "interactive")
+        if asked not in CLASSES:
             raise errors.invalid_request(f"X-Request-Class must be one of {', '.join(CLASSES)}.", "X-Request-Class")
-        return klass
+        return "batch" if request.batch_id else "interactive"
 
     @staticmethod
     def _max_migrations(request: HttpRequest) -> int | None:
@@ -316,7 +320,7 @@ class EdgeApi:
                 item = await events.__anext__()
             _record(span, shape.id, item)
         except StreamBroken as exc:
-            failed = errors.engine_failed(f"The engine failed mid-generation: {exc}")
+            failed = errors.engine_failed(str(exc))  # a stable text: mesh.py logged the detail
             _failed(span, failed)
             raise failed from exc
         finally:
@@ -343,7 +347,7 @@ class EdgeApi:
             await events.aclose()  # billed and its lease released now, not after the closing (it may store)
             tail = await shape.closing(item)
         except StreamBroken as exc:
-            failed = errors.engine_failed(f"The engine failed mid-generation: {exc}")
+            failed = errors.engine_failed(str(exc))  # a stable text: mesh.py logged the detail
             _failed(span, failed, sent=200)
             tail = shape.failed(failed)
         except errors.ApiError as exc:  # preempted mid-stream (a batch-class stream whose lease was revoked)
@@ -422,7 +426,8 @@ class _Bill:
     seen: Callable[[], Usage | None]  # what was seen so far, if it never settles in time
     trace_id: str
     batch_id: str = ""  # a batch line's job: billed at the batch price
-    preempted: bool = False  # admission revoked its lease before it ended: not billed (a batch line runs again)
+    preempted: bool = False  # admission revoked its lease before it ended: a batch line's run is not billed (the
+    # line runs again, billed once); any other request is billed what it was delivered
     span: trace.Span = trace.INVALID_SPAN  # the request's SERVER span (its billing is a child)
     first_token_at: float = 0.0  # when its first token reached the edge (0: none did)
     ended_at: float = 0.0  # when its run settled
@@ -431,6 +436,11 @@ class _Bill:
     delivered: Callable[[], Usage] | None = None  # what a stream delivered so far (its outbox checkpoints)
     clock: CheckpointClock = field(default_factory=CheckpointClock)
     journaled: asyncio.Event = field(default_factory=asyncio.Event)  # its final usage is in the outbox (or none)
+
+    @property
+    def billable(self) -> bool:
+        """Its usage is billed, but for a batch line's run that was preempted (the line runs again, billed once)."""
+        return not (self.preempted and self.batch_id)
 
     def settle(self, usage: Usage | None) -> None:
         if not self.settled.done():

@@ -54,10 +54,12 @@ from services.edge.attempt import (
     Route,
     Send,
     Settle,
+    StreamBroken,
     Usage,
 )
 from services.edge.config import EdgeConfig
 from services.edge.deployments import Failover, Link, bus_in, deployments_of
+from services.edge.errors import unavailable
 from services.edge.keys import KeyDirectory
 from services.edge.orphans import sign
 from services.edge.text import IncrementalDetokenizer, StopStringMatcher
@@ -75,9 +77,11 @@ from shared.schema import (
     RouteReply,
     RouteRequest,
     SamplingParams,
+    StreamError,
     WorkerInfo,
 )
 from shared.usage import UsagePublisher, ensure_usage_stream
+from shared.usage_journal import UsageJournal
 
 log = logging.getLogger("infermesh.edge")
 
@@ -110,13 +114,13 @@ class _Wire:
 
 
 class EdgeMesh:
-    def __init__(self, config: EdgeConfig, bus: Bus, edge_id: str) -> None:
+    def __init__(self, config: EdgeConfig, bus: Bus, edge_id: str, journal: UsageJournal | None = None) -> None:
         self.config = config
         self.bus = bus
         self._prefix_hashes = PrefixHashes()  # an agent's next turn hashes only its new blocks
         static = {config.dev_key: "default"} if config.dev_key else {}
         self.keys = KeyDirectory(bus, {**static, **config.team_keys()})
-        self.usage = UsagePublisher(bus)  # every deployment's usage goes to the local stream: one ledger
+        self.usage = UsagePublisher(bus, journal)  # every deployment's usage goes to the local stream: one ledger
         self.edge_id = edge_id
         self._secret = config.edge_secret.encode()
         self.deployments = deployments_of(config)
@@ -187,7 +191,7 @@ class EdgeMesh:
             loaded = await asyncio.shield(task)
         except Exception as exc:
             self._loading.pop(info.tokenizer, None)
-            raise errors.service_unavailable(f"cannot load the tokenizer of {info.model!r}: {exc}") from exc
+            raise unavailable(f"The tokenizer of `{info.model}`", "service_unavailable", exc) from exc
         self._tokenizers[info.tokenizer] = loaded
         return loaded
 
@@ -246,7 +250,7 @@ class EdgeMesh:
         def ask(wait: float) -> Callable[[Link], Awaitable[str]]:
             async def lease(link: Link) -> str:
                 if link.admission is None:
-                    raise errors.service_unavailable(f"{link.name} runs no admission", "admission_unavailable")
+                    raise unavailable("Admission", "admission_unavailable", f"deployment {link.name} runs no admission")
                 return await link.admission.acquire(team, klass, model, prompt_tokens, max_tokens, wait)
             return lease
 
@@ -289,7 +293,7 @@ class EdgeMesh:
             try:
                 reply = await bus.request(bus.subjects.route, request, RouteReply, timeout=self.config.route_timeout_s)
             except BusError as exc:
-                raise errors.service_unavailable(f"the router is unavailable: {exc}", "router_unavailable") from exc
+                raise unavailable("The router", "router_unavailable", exc) from exc
         if isinstance(reply, RouteDecision):
             return reply
         if reply.code == "model_not_found":
@@ -314,12 +318,17 @@ class EdgeMesh:
                     elif isinstance(action, Finish):
                         yield action.usage
                     elif isinstance(action, Fail):
+                        if isinstance(action.error, StreamBroken):  # the client reads a stable text; we, why
+                            log.warning("request %s broke after its first token: %s", run.request_id,
+                                        action.error.detail)
                         raise action.error
                     else:
                         queue.extend(await self._run_action(run, action, wire, on_settled))
                 if run.phase in TERMINAL:
                     return
                 message = await wire.streams[run.stream_id].next()
+                if isinstance(message, StreamError):
+                    _keep_detail(run.request_id, message, wire.attempt_span)
                 queue.extend(run.message(message, time.monotonic()))
         finally:
             self._wind_up(run, queue, wire, on_settled)
@@ -418,3 +427,13 @@ class EdgeMesh:
             await bus.publish(bus.subjects.worker_abort(worker_id), AbortRequest(request_id, superseded))
         except Exception as exc:
             log.warning("abort of %s failed: %s", request_id, exc)
+
+
+def _keep_detail(request_id: str, error: StreamError, span: trace.Span) -> None:
+    """A stream error's detail (worker ids, the engine's exception text) for the operators, in the log and on the
+    attempt's span: the client is told a stable text naming the request id (errors.py)."""
+    log.warning("request %s: stream %s from %s failed: %s: %s", request_id, error.request_id, error.source_id,
+                error.code, error.message)
+    span.add_event("infermesh.stream_error", {"infermesh.error_code": error.code,
+                                              "infermesh.worker_id": error.source_id,
+                                              "infermesh.error_detail": error.message})

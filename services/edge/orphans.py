@@ -34,7 +34,7 @@ from shared import schema
 from shared.bus import Bus
 from shared.orphans import ACK_WAIT_S, ORPHANS_DURABLE, ensure_orphans_stream
 from shared.schema import BillingContext, OrphanUsage, SignedBilling, UsageEvent
-from shared.usage import UsagePublisher
+from shared.usage import ORPHAN_PUBLISH_WAIT_S, UsagePublisher
 
 log = logging.getLogger("infermesh.edge")
 
@@ -143,7 +143,7 @@ class OrphanBiller:
 
     async def _handle(self, msg: Msg) -> None:
         event = self.judge(msg.data)
-        if event is not None and not await self.usage.publish(event):
+        if event is not None and not await self.usage.publish_within(event, ORPHAN_PUBLISH_WAIT_S):
             self.stats["retried"] += 1
             await msg.nak(delay=5.0)  # the usage stream is away: another try later, maybe on another edge
             return

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import socket
 import uuid
+from pathlib import Path
 
 import uvicorn
 
@@ -18,6 +19,7 @@ from services.edge.connection import HeaderLimits, guarded_protocol
 from services.edge.mesh import EdgeMesh
 from shared.bus import Bus
 from shared.metrics import StatsCollector
+from shared.usage_journal import UsageJournal
 
 log = logging.getLogger("infermesh.edge")
 
@@ -26,7 +28,9 @@ class EdgeService:
     def __init__(self, config: EdgeConfig, bus: Bus) -> None:
         self.config = config
         self.edge_id = f"e{uuid.uuid4().hex[:10]}"
-        self.mesh = EdgeMesh(config, bus, self.edge_id)
+        # the usage outbox of this edge's slot: locked now (JournalLocked if another edge of the slot runs)
+        self.journal = UsageJournal.open(Path(config.usage_outbox_dir)) if config.usage_outbox_dir else None
+        self.mesh = EdgeMesh(config, bus, self.edge_id, self.journal)
         self.api = EdgeApi(config, self.mesh)
         self.app = create_app(self.api)
         self.batch_lines = BatchLineServer(bus, {"/v1/chat/completions": self.api.chat_completions,
@@ -40,7 +44,11 @@ class EdgeService:
     async def start(self) -> None:
         if not self.config.dev_key:
             log.warning("no API key configured (INFERMESH_DEV_KEY): every request will get 401")
+        if self.journal is not None:
+            await self.journal.start()
         await self.mesh.start()
+        if replayed := await self.mesh.usage.replay():  # what the last edge of this slot left unpublished
+            log.warning("edge %s: publishing %d usage records its slot's previous edge left", self.edge_id, replayed)
         await self.batch_lines.start()
         server_config = uvicorn.Config(
             self.app, host=self.config.host, port=self.config.http_port, log_level="warning",
@@ -82,5 +90,8 @@ class EdgeService:
             await asyncio.gather(self._task, return_exceptions=True)
         await self.batch_lines.stop()
         await self.api.drain_billing()
+        await self.mesh.usage.stop()  # what is still unpublished stays in the outbox for the slot's next edge
+        if self.journal is not None:
+            await self.journal.stop()
         self.api.prep.close()
         await self.mesh.stop()

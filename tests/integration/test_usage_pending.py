@@ -16,7 +16,7 @@ from tests.utils import eventually
 
 
 async def test_the_edges_beat_says_how_much_usage_waits_for_the_stream(bus):
-    publisher = UsagePublisher(bus, give_up_s=60)
+    publisher = UsagePublisher(bus)
     event = UsageEvent(uuid.uuid4().hex, 0, "t", "", "m", "finished", "length", 10, 0, 5, 1.0, 2.0, "w-1")
     publishing = asyncio.create_task(publisher.publish(event))
     await eventually(lambda: publisher.pending == 1, 5)
