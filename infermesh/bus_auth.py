@@ -28,6 +28,7 @@ from infermesh.team_bus_users import load_team_secrets, record_running, server_u
 from shared.bus_limits import MAX_PAYLOAD_BYTES
 from shared.nats_auth import NatsCredentials
 from shared.ports import free_port, wait_for_port
+from shared.storage_caps import max_file_store
 from shared.subjects import Subjects
 
 SECRETS_FILE = "nats-credentials.json"
@@ -86,7 +87,8 @@ def server_config(port: int, store_dir: Path, subjects: Subjects, secrets: dict[
     config: dict[str, object] = {
         "listen": f"{host}:{port}",
         "max_payload": MAX_PAYLOAD_BYTES,  # a long prompt's generate request (shared/bus_limits.py)
-        "jetstream": {"store_dir": str(store_dir)},
+        # every stream's max_bytes is reserved inside it (shared/storage_caps.py): nats' default is 75% of the disk
+        "jetstream": {"store_dir": str(store_dir), "max_file_store": max_file_store()},
         "authorization": {"users": [
             *({"user": role.value, "password": secrets[role],
                "permissions": permissions(role, subjects).server_block()} for role in Role),

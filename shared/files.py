@@ -22,8 +22,16 @@ Invariants: a file exists once its info is published, after every chunk (with th
 half a file; a file of another team is "not found", never "forbidden" (no one learns which ids exist); a delete
 publishes a deleted info, then purges the chunks; a write that fails or is aborted purges its chunks. File ids
 start with the creation time in milliseconds (``new_file_id``), so the id order is the creation order:
-``list`` sorts and pages by id (OpenAI's ``after`` cursor). A listing reads every file's info of the bucket (one
-ordered consumer, the last info per file), so it costs the bucket's number of files, not the team's.
+``list`` sorts and pages by id (OpenAI's ``after`` cursor).
+
+Quotas and listing (shared/file_ledger.py, shared/file_quota.py): each team has a usage record (its files' ids
+and bytes, its uploads in progress) and an index (a FileObject per file) in the same stream. A write holds its
+bytes in the team's record (compare-and-set) before it publishes them, so concurrent uploads on several edges
+cannot pass ``FileQuota`` together (QuotaExceeded; ``batch_output`` is counted, never refused); a listing reads
+the team's index only. Order of writes, so that a crash leaves the team's usage low rather than high: upload =
+hold, chunks, info, index entry, commit; delete = uncount, deleted info, chunks purged, index entry purged. The
+bucket's ``max_bytes`` (shared/storage_caps.py) bounds all teams together; when it is full, writes fail with
+JetStream's ``maximum bytes exceeded`` (``is_store_full``) and every other stream keeps its own reserved room.
 
 Who uses it: the edge (uploads, lists, reads and deletes for its callers) and the batch service (reads a job's
 input, writes its ``batch_output``); on a locked bus both may write the bucket (``infermesh/bus_roles.py``).
@@ -37,17 +45,20 @@ import json
 import logging
 import secrets
 import time
-from typing import AsyncIterator, Literal
+from typing import AsyncIterator, Callable, Literal
 
 import msgspec
 from msgspec import Struct
-from nats.js.api import DeliverPolicy, ObjectStoreConfig, StorageType
-from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.api import DeliverPolicy, DiscardPolicy, StorageType, StreamConfig
+from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
 from nats.js.kv import MSG_ROLLUP_SUBJECT
 
 from shared.batch_schema import MAX_BATCH_FILE_BYTES, MAX_FILE_ID, FilePurpose
 from shared.bus import Bus
+from shared.file_ledger import LAYOUT_METADATA, TeamLedger
+from shared.file_quota import HOLD_S, FileQuota, commit, release, remove_file, reserve
 from shared.replication import stream_replicas
+from shared.storage_caps import store_caps
 from shared.telemetry import traced
 
 log = logging.getLogger("infermesh.files")
@@ -57,6 +68,9 @@ MAX_FILENAME = 512
 LIST_TIMEOUT_S = 10.0
 FileOrder = Literal["asc", "desc"]
 _HEADERS = ("Infermesh-Team", "Infermesh-Purpose", "Infermesh-Filename", "Infermesh-Created-At", "Infermesh-Bytes")
+HOLD_STEP_BYTES = 8 << 20  # an upload of unknown length holds its quota this much at a time
+STORE_FULL_CODES = (10077, 10023)  # JetStream: the stream's max_bytes, the server's max_file_store
+DEFAULT_QUOTA = FileQuota()  # shared/file_quota.py's defaults (the edge's config sets its own)
 
 
 class FileObject(Struct, frozen=True, kw_only=True):
@@ -168,34 +182,46 @@ async def ensure_files_bucket(bus: Bus) -> None:
     bucket = bus.subjects.files_bucket
     try:
         await bus.js.object_store(bucket)
-    except BucketNotFoundError:
-        await bus.js.create_object_store(bucket, ObjectStoreConfig(storage=StorageType.FILE,
-                                                                   description="infermesh files (/v1/files)",
-                                                                   replicas=stream_replicas()))
+    except BucketNotFoundError:  # nats' object store stream (as create_object_store makes it), with our layout
+        await bus.js.add_stream(StreamConfig(
+            name=_stream(bucket), description="infermesh files (/v1/files)", subjects=[f"$O.{bucket}.C.>",
+            f"$O.{bucket}.M.>"], max_bytes=store_caps().files, storage=StorageType.FILE, num_replicas=stream_replicas(),
+            discard=DiscardPolicy.NEW, allow_rollup_hdrs=True, allow_direct=True, metadata=LAYOUT_METADATA))
+
+
+def is_store_full(exc: BaseException) -> bool:
+    """JetStream refused a write: the files store (or the whole server's storage) is full."""
+    return isinstance(exc, APIError) and exc.err_code in STORE_FULL_CODES
 
 
 class FileStore:
     """The files of every team in one bucket; each call names the team it acts for."""
 
-    def __init__(self, bus: Bus, max_bytes: int = MAX_BATCH_FILE_BYTES) -> None:
+    def __init__(self, bus: Bus, max_bytes: int = MAX_BATCH_FILE_BYTES, quota: FileQuota = DEFAULT_QUOTA,
+                 hold_s: float = HOLD_S, clock: Callable[[], float] = time.time) -> None:
         self.bus = bus
         self.bucket = bus.subjects.files_bucket
         self.stream = _stream(self.bucket)
-        self.max_bytes = max_bytes
+        self.max_bytes = max_bytes  # one file's
+        self.quota, self.hold_s, self.clock = quota, hold_s, clock  # a team's files together
+        self.ledger = TeamLedger(bus, self.bucket, scan=self._all)
 
     @classmethod
-    async def open(cls, bus: Bus, max_bytes: int = MAX_BATCH_FILE_BYTES) -> "FileStore":
+    async def open(cls, bus: Bus, max_bytes: int = MAX_BATCH_FILE_BYTES,
+                   quota: FileQuota = DEFAULT_QUOTA) -> "FileStore":
         """The store over an existing bucket (BucketNotFoundError if it was never made)."""
         await bus.js.object_store(bus.subjects.files_bucket)
-        return cls(bus, max_bytes)
+        return cls(bus, max_bytes, quota)
 
     # ------------------------------------------------------------ writes
-    def writer(self, team: str, filename: str) -> "FileWriter":
-        return FileWriter(self, team, filename)
+    def writer(self, team: str, filename: str, expected_bytes: int = 0, enforce_quota: bool = True) -> "FileWriter":
+        """An upload; ``expected_bytes`` (its declared length) is held at its first write, in one step."""
+        return FileWriter(self, team, filename, expected_bytes, enforce_quota)
 
     async def put(self, team: str, purpose: FilePurpose, filename: str, data: bytes) -> FileObject:
-        """Store ``data`` as a new file of ``team`` (FileTooLarge past ``max_bytes``, nothing kept)."""
-        writer = self.writer(team, filename)
+        """Store ``data`` as a new file of ``team`` (FileTooLarge past ``max_bytes``, QuotaExceeded past the team's
+        quota unless it is ``batch_output``: nothing kept)."""
+        writer = self.writer(team, filename, len(data), enforce_quota=purpose != "batch_output")
         try:
             await writer.write(data)
             return await writer.finish(purpose)
@@ -205,6 +231,7 @@ class FileStore:
 
     async def delete(self, team: str, file_id: str) -> FileDeleted:
         info, _file = await self._find(team, file_id)
+        await self.ledger.update(team, lambda usage: remove_file(usage, file_id))
         gone = {"name": file_id, "bucket": self.bucket, "nuid": info.nuid, "size": 0, "chunks": 0, "digest": "",
                 "deleted": True, "mtime": ""}
         try:
@@ -212,6 +239,7 @@ class FileStore:
                                       headers=traced({"Nats-Rollup": MSG_ROLLUP_SUBJECT}))
         finally:
             await self._purge(info.nuid)
+        await self.ledger.unindex(team, file_id)
         return FileDeleted(id=file_id)
 
     # ------------------------------------------------------------ reads
@@ -239,7 +267,7 @@ class FileStore:
     async def list(self, team: str, purpose: str | None = None, limit: int = 10_000, after: str | None = None,
                    order: FileOrder = "desc") -> FileList:
         """The team's files (of ``purpose``), newest first (``desc``) or oldest first, after the file ``after``."""
-        files = [f for owner, f in await self._all() if owner == team and (purpose is None or f.purpose == purpose)]
+        files = [f for f in await self.ledger.listed(team) if purpose is None or f.purpose == purpose]
         files.sort(key=lambda f: f.id, reverse=order == "desc")
         if after is not None:
             files = [f for f in files if (f.id < after if order == "desc" else f.id > after)]
@@ -261,7 +289,8 @@ class FileStore:
         return found[0], found[2]
 
     async def _all(self) -> list[tuple[str, FileObject]]:
-        """(team, file) of every live file: the last info of each object, read by one ordered consumer."""
+        """(team, file) of every live file: the last info of each object, read by one ordered consumer (what a
+        bucket made before the index is indexed from, once per team)."""
         all_meta = f"$O.{self.bucket}.M.>"
         try:
             await self.bus.js.get_last_msg(self.stream, all_meta)
@@ -289,7 +318,8 @@ class FileWriter:
     """One file on its way in: ``write`` its bytes as they come (published in 128 KiB chunks, so an upload never
     sits whole in memory), then ``finish`` (the file exists) or ``abort`` (its chunks are purged)."""
 
-    def __init__(self, store: FileStore, team: str, filename: str) -> None:
+    def __init__(self, store: FileStore, team: str, filename: str, expected_bytes: int = 0,
+                 enforce_quota: bool = True) -> None:
         self.store = store
         self.team = team
         self.filename = filename[:MAX_FILENAME]
@@ -297,6 +327,9 @@ class FileWriter:
         self.nuid = secrets.token_hex(11)
         self.num_bytes = 0
         self.num_chunks = 0
+        self.held = 0  # bytes of the team's quota this upload holds (its usage record's hold, named by nuid)
+        self.expected_bytes = min(expected_bytes, store.max_bytes)
+        self.enforce_quota = enforce_quota
         self._subject = f"$O.{store.bucket}.C.{self.nuid}"
         self._digest = hashlib.sha256()
         self._pending = bytearray()
@@ -305,6 +338,7 @@ class FileWriter:
         """Add ``data``; FileTooLarge once the file would pass the store's ``max_bytes``."""
         if self.num_bytes + len(data) > self.store.max_bytes:
             raise FileTooLarge(self.store.max_bytes)
+        await self._hold(self.num_bytes + len(data))
         self.num_bytes += len(data)
         view = memoryview(data)
         if self._pending:  # top the pending chunk up first
@@ -335,16 +369,33 @@ class FileWriter:
                 "options": {"max_chunk_size": CHUNK_BYTES}}
         await self.store.bus.js.publish(_meta_subject(self.store.bucket, self.file_id), json.dumps(info).encode(),
                                         headers=traced({"Nats-Rollup": MSG_ROLLUP_SUBJECT}))
+        await self.store.ledger.index(self.team, file)
+        await self.store.ledger.update(self.team, lambda usage: commit(usage, self.nuid, file.id, file.bytes))
+        self.held = 0
         return file
 
     async def abort(self) -> None:
-        """Purge whatever was written (a failed or refused upload leaves nothing behind)."""
+        """Purge whatever was written and give its hold back (a failed or refused upload leaves nothing behind)."""
         self._pending.clear()
-        if self.num_bytes:  # a chunk whose publish failed may still have landed
-            try:
+        try:
+            if self.num_bytes:  # a chunk whose publish failed may still have landed
                 await self.store._purge(self.nuid)
-            except Exception:  # justified: the caller is already failing; a leftover chunk costs space only
-                log.warning("file %s: its %d chunks were not purged", self.file_id, self.num_chunks, exc_info=True)
+            if self.held:
+                await self.store.ledger.update(self.team, lambda usage: release(usage, self.nuid))
+        except Exception:  # justified: the caller is already failing; a leftover chunk costs space, a hold expires
+            log.warning("file %s: its %d chunks or its hold were not cleared", self.file_id, self.num_chunks,
+                        exc_info=True)
+
+    async def _hold(self, total: int) -> None:
+        """Hold at least ``total`` bytes of the team's quota before they are stored (a step or the declared length
+        at a time; QuotaExceeded, nothing held, when they do not fit)."""
+        if total <= self.held:
+            return
+        target = min(max(total, self.expected_bytes, self.held + HOLD_STEP_BYTES), self.store.max_bytes)
+        store, more = self.store, target - self.held
+        await store.ledger.update(self.team, lambda usage: reserve(usage, store.quota, self.nuid, more, store.clock(),
+                                                                   store.hold_s, self.enforce_quota))
+        self.held = target
 
     async def _publish(self, chunk: bytes) -> None:
         self._digest.update(chunk)

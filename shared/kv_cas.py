@@ -18,6 +18,7 @@ from nats.js.kv import KeyValue
 
 from shared.bus import Bus
 from shared.replication import stream_replicas
+from shared.storage_caps import store_caps
 from shared.telemetry import traced
 
 WRONG_LAST_SEQUENCE = 10071  # JetStream's error code for a failed expected-last-sequence check
@@ -29,12 +30,14 @@ class CasConflict(Exception):
 
 
 async def ensure_bucket(bus: Bus, bucket: str) -> KeyValue:
-    """The bucket's handle, creating it if needed (history 1, per-key TTLs allowed, expiry markers kept)."""
+    """The bucket's handle, creating it if needed (history 1, per-key TTLs allowed, expiry markers kept, its
+    ``max_bytes`` reserved: shared/storage_caps.py)."""
     try:
         return await bus.js.key_value(bucket)
     except BucketNotFoundError:
         return await bus.js.create_key_value(KeyValueConfig(bucket=bucket, history=1, limit_marker_ttl=MARKER_TTL_S,
-                                                             replicas=stream_replicas()))
+                                                             replicas=stream_replicas(),
+                                                             max_bytes=store_caps().kv_bucket))
 
 
 async def get_last(bus: Bus, bucket: str, key: str) -> tuple[bytes | None, int]:

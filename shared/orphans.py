@@ -26,6 +26,7 @@ from shared import schema
 from shared.bus import Bus
 from shared.replication import stream_replicas
 from shared.schema import OrphanUsage
+from shared.storage_caps import store_caps
 from shared.telemetry import traced
 
 log = logging.getLogger("infermesh.orphans")
@@ -38,7 +39,8 @@ ACK_WAIT_S = 30.0
 async def ensure_orphans_stream(bus: Bus) -> None:
     config = StreamConfig(name=bus.subjects.orphans_stream, subjects=[bus.subjects.orphans_all],
                           retention=RetentionPolicy.LIMITS, storage=StorageType.FILE, max_age=RETENTION_S,
-                          duplicate_window=DUPLICATE_WINDOW_S, num_replicas=stream_replicas())
+                          duplicate_window=DUPLICATE_WINDOW_S, num_replicas=stream_replicas(),
+                          max_bytes=store_caps().orphans)
     try:
         await bus.js.add_stream(config)
     except BadRequestError:  # it exists with another config (an operator changed it): keep theirs

@@ -25,6 +25,9 @@ def pytest_configure(config: pytest.Config) -> None:
         config.add_cleanup(lambda: shutil.rmtree(os.environ.pop("INFERMESH_TEST_DATA_HOME"), ignore_errors=True))
     os.environ["XDG_DATA_HOME"] = os.environ["INFERMESH_TEST_DATA_HOME"]
     os.environ.pop("INFERMESH_DATABASE_URL", None)
+    # every test namespace reserves its streams' max_bytes on the shared nats-server (shared/storage_caps.py):
+    # a small budget each, so hundreds of namespaces fit its default max_file_store (75% of the disk)
+    os.environ.setdefault("INFERMESH_STORE_BYTES", str(64 << 20))
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,8 @@
 | ``<ns>_batch_results``| ``<ns>.batch.results.<team>.<job>`` | one BatchLineResult (JSON) per line   | 30 days    |
 | ``<ns>_batch_events`` | ``<ns>.batch.events.<team>.<job>``  | the job record after each change     | last, 30 d |
 
+Each has its ``max_bytes`` (shared/storage_caps.py); past it, the oldest messages go.
+
 Submissions and results are deduplicated by ``Nats-Msg-Id`` (a submission's own id; ``<job>:<line>`` for a
 result) within a day: publishing the same job twice makes one job, and a line that ends twice (run again after a
 crash) keeps its first result. Past the window the service itself skips lines the results stream already has.
@@ -22,6 +24,7 @@ from nats.js.errors import BadRequestError
 from shared.batch_schema import BatchLineResult
 from shared.bus import Bus
 from shared.replication import stream_replicas
+from shared.storage_caps import store_caps
 from shared.telemetry import traced
 
 log = logging.getLogger("infermesh.batch")
@@ -31,18 +34,18 @@ RESULTS_RETENTION_S = 30 * DAY_S
 
 
 async def ensure_batch_streams(bus: Bus) -> None:
-    s, replicas = bus.subjects, stream_replicas()
+    s, replicas, caps = bus.subjects, stream_replicas(), store_caps()  # max_bytes reserved: shared/storage_caps.py
     for config in (
         StreamConfig(name=s.batch_submit_stream, subjects=[s.batch_submit_all], retention=RetentionPolicy.LIMITS,
                      storage=StorageType.FILE, max_age=SUBMIT_RETENTION_S, duplicate_window=DAY_S,
-                     num_replicas=replicas),
+                     num_replicas=replicas, max_bytes=caps.batch_submit),
         StreamConfig(name=s.batch_results_stream, subjects=[s.batch_results_all], retention=RetentionPolicy.LIMITS,
                      storage=StorageType.FILE, max_age=RESULTS_RETENTION_S, duplicate_window=DAY_S,
-                     num_replicas=replicas),
+                     num_replicas=replicas, max_bytes=caps.batch_results),
         StreamConfig(name=s.batch_events_stream, subjects=[s.batch_events_all], retention=RetentionPolicy.LIMITS,
                      storage=StorageType.FILE, max_age=RESULTS_RETENTION_S, max_msgs_per_subject=1,
-                     allow_direct=True, num_replicas=replicas),  # a job's status: DIRECT.GET.<stream>.<subject>,
-                                                                  # which names the team
+                     allow_direct=True, num_replicas=replicas,
+                     max_bytes=caps.batch_events),  # a job status: DIRECT.GET.<stream>.<subject>, naming the team
     ):
         try:
             await bus.js.add_stream(config)

@@ -31,6 +31,18 @@ async def store(bus):
     return await FileStore.open(bus)
 
 
+async def stored_kinds(store: FileStore) -> set[str]:
+    """What the bucket's stream holds, by kind: "M" (an info), "C" (a chunk), "C.usage.<team>", "C.index..."."""
+    prefix = f"$O.{store.bucket}."
+    info = await store.bus.js.stream_info(store.stream, subjects_filter=f"{prefix}>")
+    kinds = set()
+    for subject in info.state.subjects or {}:
+        kind, _, rest = subject.removeprefix(prefix).partition(".")
+        named = rest.startswith(("usage.", "index."))
+        kinds.add(f"{kind}.{rest}" if named else kind)
+    return kinds
+
+
 async def test_a_put_file_reads_back_as_openai_describes_it_with_its_bytes(store):
     file = await store.put("research", "batch", "in.jsonl", LINES)
     assert is_file_id(file.id) and file.object == "file" and file.status == "processed"
@@ -72,8 +84,8 @@ async def test_another_teams_file_an_unknown_id_and_a_deleted_file_are_all_not_f
         with pytest.raises(FileNotFound):
             await call("research", file.id)
     assert (await store.list("research")).data == []
-    info = await store.bus.js.stream_info(store.stream)
-    assert info.state.messages == 1  # the deleted info alone: the chunks were purged
+    # the deleted info and the team's usage record: its chunks and index entry were purged
+    assert await stored_kinds(store) == {"M", "C.usage.research"}
 
 
 async def test_a_listing_is_the_teams_own_newest_first_filtered_and_paged_by_id(store):
@@ -102,7 +114,8 @@ async def test_a_file_past_the_limit_is_refused_and_leaves_no_chunk_behind(bus):
     with pytest.raises(FileTooLarge):
         await writer.write(b"x" * 11)
     await writer.abort()
-    assert (await bus.js.stream_info(store.stream)).state.messages == 0
+    assert await stored_kinds(store) <= {"C.usage.research"}  # no chunk, no info
+    assert (await store.ledger.usage("research")).holds == {}
     assert (await store.list("research")).data == []
 
 
