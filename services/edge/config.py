@@ -9,6 +9,7 @@ from services.edge.prep_queue import QueueLimits
 from services.edge.reasoning import REASONING_FORMATS
 from shared.batch_schema import MAX_BATCH_FILE_BYTES
 from shared.config import BusConfig
+from shared.file_quota import DEFAULT_TEAM_FILE_BYTES, DEFAULT_TEAM_FILES
 
 
 @dataclass(slots=True)
@@ -68,6 +69,9 @@ class EdgeConfig(BusConfig):
     # POST /v1/files (services/edge/files.py): its own bounds, the chat body limit above stays small
     max_file_bytes: int = MAX_BATCH_FILE_BYTES  # a bigger file is 413 (as OpenAI's batch input limit: 200 MB)
     file_upload_timeout_s: float = 600.0  # to read a whole upload once its headers are in, else 408
+    # a team's files together (uploads and batch outputs; shared/file_quota.py): past either, an upload is 400
+    team_file_bytes: int = DEFAULT_TEAM_FILE_BYTES  # 10 GiB
+    team_files: int = DEFAULT_TEAM_FILES  # 1000
     max_tools: int = 128  # as OpenAI
     max_tools_bytes: int = 512 << 10  # the tools array as JSON
     max_schema_depth: int = 32  # JSON nesting inside a tool's (or response_format's) schema

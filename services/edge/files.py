@@ -22,7 +22,11 @@ chat body limit, and streams into the store (it never sits whole in memory):
 | the form         | valid multipart; ``purpose`` "batch" (refused as soon as it is read);  | 400 naming the     |
 |                  | one ``file``, non-empty UTF-8 (its lines are the batch service's)      | param              |
 
-A refused or interrupted upload leaves no chunk in the store.
+| team quota       | the team's files with this one within ``team_file_bytes`` and           | 400                |
+|                  | ``team_files``, held before a byte is stored (shared/file_quota.py)     | storage_quota_...  |
+| the store        | the files store (all teams) not at its ``max_bytes``                    | 503, Retry-After   |
+
+A refused or interrupted upload leaves no chunk in the store, and gives its hold on the quota back.
 """
 
 from __future__ import annotations
@@ -45,7 +49,16 @@ from services.edge.http import ClientGone, JsonReply, body_chunks, error_reply, 
 from services.edge.keys import Caller
 from shared import errors
 from shared.bus import Bus
-from shared.files import FileNotFound, FileOrder, FileStore, FileTooLarge, FileWriter, ensure_files_bucket
+from shared.file_quota import FileQuota, QuotaExceeded
+from shared.files import (
+    FileNotFound,
+    FileOrder,
+    FileStore,
+    FileTooLarge,
+    FileWriter,
+    ensure_files_bucket,
+    is_store_full,
+)
 
 log = logging.getLogger("infermesh.edge")
 FORM_OVERHEAD = 64 << 10  # boundaries, part headers and the small fields around the file
@@ -64,11 +77,28 @@ def _file_too_large(max_bytes: int) -> errors.ApiError:
                            "file", "file_too_large", {"Connection": "close"})
 
 
+def quota_exceeded(exc: QuotaExceeded) -> errors.ApiError:
+    """400 naming the quota, what the team uses of it, and how to free some."""
+    if exc.kind == "files":
+        usage = f"it has {exc.used} of its {exc.limit} files (uploads in progress count)"
+    else:
+        usage = f"its files take {exc.used} of its {exc.limit} bytes and this upload needs {exc.requested} more"
+    return errors.ApiError(400, f"Your team's file storage quota is exceeded: {usage}. Delete files you no longer "
+                           "need (GET /v1/files lists them, DELETE /v1/files/{file_id} frees their space) and upload "
+                           "again.", "invalid_request_error", "file", "storage_quota_exceeded",
+                           {"Connection": "close"})
+
+
+def store_full() -> errors.ApiError:
+    return errors.ApiError(503, "The file store is full; try again later.", "server_error", None, "storage_full",
+                           {"Connection": "close", "Retry-After": "60"})
+
+
 class _Form:
     """An upload's multipart body, parsed as it arrives: the ``file`` part goes straight into a FileWriter."""
 
-    def __init__(self, store: FileStore, team: str, boundary: str) -> None:
-        self.store, self.team = store, team
+    def __init__(self, store: FileStore, team: str, boundary: str, expected_bytes: int = 0) -> None:
+        self.store, self.team, self.expected_bytes = store, team, expected_bytes
         self.parser = PushMultipartParser(boundary, max_segment_count=MAX_PARTS)
         self.fields: dict[str, bytearray] = {}
         self.writer: FileWriter | None = None
@@ -86,6 +116,12 @@ class _Form:
             raise errors.invalid_request("The file must be UTF-8 encoded JSONL.", "file") from None
         except FileTooLarge as exc:
             raise _file_too_large(exc.max_bytes) from None
+        except QuotaExceeded as exc:
+            raise quota_exceeded(exc) from None
+        except Exception as exc:
+            if is_store_full(exc):
+                raise store_full() from None
+            raise
 
     async def _on(self, event: MultipartSegment | bytes | None) -> None:
         if isinstance(event, MultipartSegment):
@@ -93,7 +129,7 @@ class _Form:
             if event.name == "file":
                 if self.writer is not None or event.filename is None:
                     raise errors.invalid_request("Expected one file upload in the 'file' field.", "file")
-                self.writer = self.store.writer(self.team, event.filename)
+                self.writer = self.store.writer(self.team, event.filename, self.expected_bytes)
             elif event.name not in self.fields:
                 self.fields[event.name] = bytearray()
         elif event is None:  # the part ended
@@ -134,7 +170,12 @@ class _Form:
             raise errors.invalid_request("Missing required parameter: 'file'.", "file")
         if self.writer.num_bytes == 0:
             raise errors.invalid_request("The file is empty.", "file")
-        return await self.writer.finish(purpose)  # type: ignore[arg-type]
+        try:
+            return await self.writer.finish(purpose)  # type: ignore[arg-type]
+        except Exception as exc:
+            if is_store_full(exc):
+                raise store_full() from None
+            raise
 
     async def abort(self) -> None:
         if self.writer is not None:
@@ -154,7 +195,9 @@ class FilesApi:
         """The store, opened on first use (an open bus's edge makes the bucket; a locked one's was provisioned)."""
         if self._store is None:
             await ensure_files_bucket(self.bus)
-            self._store = FileStore(self.bus, self.config.max_file_bytes)
+            quota = FileQuota(self.config.team_file_bytes, self.config.team_files)
+            self._store = FileStore(self.bus, self.config.max_file_bytes, quota,
+                                    hold_s=self.config.file_upload_timeout_s + 60)
         return self._store
 
     def route_handlers(self) -> list[Any]:
@@ -211,7 +254,8 @@ class FilesApi:
             declared = headers.get("content-length", "").strip()
             if declared.isdigit() and int(declared) > max_body:
                 raise _file_too_large(self.config.max_file_bytes)
-            form = _Form(await self.store(), caller.team, boundary)
+            expected = max(0, int(declared) - FORM_OVERHEAD) if declared.isdigit() else 0  # held at once
+            form = _Form(await self.store(), caller.team, boundary, expected)
             await self._read(form, receive, max_body)
             read_all = True
             reply = JsonReply(200, msgspec.json.encode(await form.finish()))

@@ -40,10 +40,13 @@ def client(mesh: LocalMesh, key: str = KEY) -> openai.AsyncOpenAI:
 
 
 async def stored_messages(mesh: LocalMesh) -> int:
-    """Chunks and infos in the files' stream (made on the edge's first files request)."""
+    """Chunks and infos in the files' stream (made on the edge's first files request), the teams' usage records
+    (shared/file_ledger.py) left out."""
     bus = mesh.edge.mesh.bus
     await ensure_files_bucket(bus)
-    return (await bus.js.stream_info(f"OBJ_{bus.subjects.files_bucket}")).state.messages
+    prefix = f"$O.{bus.subjects.files_bucket}."
+    info = await bus.js.stream_info(f"OBJ_{bus.subjects.files_bucket}", subjects_filter=f"{prefix}>")
+    return sum(n for subject, n in (info.state.subjects or {}).items() if not subject.startswith(f"{prefix}C.usage."))
 
 
 async def test_a_team_uploads_lists_retrieves_reads_and_deletes_a_batch_file(mesh):
