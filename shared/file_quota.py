@@ -61,9 +61,10 @@ class QuotaExceeded(Exception):
 
 
 def reserve(usage: TeamUsage, quota: FileQuota, upload_id: str, more_bytes: int, now: float,
-            hold_s: float = HOLD_S, enforce: bool = True) -> TeamUsage:
-    """``usage`` with the upload's hold grown by ``more_bytes`` (made if new; renewed to ``now + hold_s``).
-    QuotaExceeded if it does not fit (``enforce=False`` counts it anyway: output the team already paid for)."""
+            hold_s: float = HOLD_S, enforce: bool = True, wanted_bytes: int = 0) -> TeamUsage:
+    """``usage`` with the upload's hold grown by ``more_bytes`` (made if new; renewed to ``now + hold_s``), or by
+    up to ``wanted_bytes`` where they fit (an upload of unknown length holds a step ahead). QuotaExceeded if
+    ``more_bytes`` do not fit (``enforce=False`` counts them anyway: output the team already paid for)."""
     usage = usage.live(now)
     held = usage.holds.get(upload_id)
     if enforce:
@@ -71,6 +72,7 @@ def reserve(usage: TeamUsage, quota: FileQuota, upload_id: str, more_bytes: int,
             raise QuotaExceeded("files", quota.max_files, usage.used_files(), 1)
         if usage.used_bytes() + more_bytes > quota.max_bytes:
             raise QuotaExceeded("bytes", quota.max_bytes, usage.used_bytes(), more_bytes)
+        more_bytes = max(more_bytes, min(wanted_bytes, quota.max_bytes - usage.used_bytes()))
     grown = Hold((held.bytes if held else 0) + more_bytes, now + hold_s)
     return TeamUsage(usage.files, {**usage.holds, upload_id: grown})
 

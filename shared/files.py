@@ -391,11 +391,12 @@ class FileWriter:
         at a time; QuotaExceeded, nothing held, when they do not fit)."""
         if total <= self.held:
             return
-        target = min(max(total, self.expected_bytes, self.held + HOLD_STEP_BYTES), self.store.max_bytes)
-        store, more = self.store, target - self.held
-        await store.ledger.update(self.team, lambda usage: reserve(usage, store.quota, self.nuid, more, store.clock(),
-                                                                   store.hold_s, self.enforce_quota))
-        self.held = target
+        store, needed = self.store, max(total, self.expected_bytes) - self.held
+        # past its declared length (or with none), an upload holds a step ahead: one CAS per step, not per chunk
+        wanted = 0 if total <= self.expected_bytes else min(self.held + HOLD_STEP_BYTES, store.max_bytes) - self.held
+        usage = await store.ledger.update(self.team, lambda usage: reserve(
+            usage, store.quota, self.nuid, needed, store.clock(), store.hold_s, self.enforce_quota, wanted))
+        self.held = usage.holds[self.nuid].bytes
 
     async def _publish(self, chunk: bytes) -> None:
         self._digest.update(chunk)

@@ -54,3 +54,12 @@ def test_release_and_delete_give_the_room_back_and_doing_either_twice_counts_onc
     assert usage.files == {}
     usage = commit(commit(reserve(usage, QUOTA, "up-2", 70, T0), "up-2", "file-c", 70), "up-2", "file-c", 70)
     assert (usage.used_bytes(), usage.used_files()) == (70, 1)
+
+
+def test_an_upload_of_unknown_length_holds_a_step_ahead_only_where_it_fits():
+    usage = reserve(TeamUsage({"file-a": 70}), QUOTA, "up-1", 5, T0, wanted_bytes=20)
+    assert usage.holds["up-1"].bytes == 20  # a step ahead
+    usage = reserve(usage, QUOTA, "up-1", 5, T0, wanted_bytes=20)
+    assert usage.holds["up-1"].bytes == 30  # the room left, not the step
+    with pytest.raises(QuotaExceeded):
+        reserve(usage, QUOTA, "up-1", 1, T0, wanted_bytes=20)
