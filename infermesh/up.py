@@ -185,9 +185,11 @@ def _resolve_model_path(options: MeshOptions) -> str:
     return str(prepare_gemma(progress=lambda m: _say(f"  {m}")))
 
 
-def _ready(url: str) -> dict[str, object] | None:
+def _ready(url: str, key: str = "") -> dict[str, object] | None:
+    """The edge's /ready; with ``key``, its workers and models too (shown only to a key's holder)."""
     try:
-        with urllib.request.urlopen(url, timeout=2) as response:
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+        with urllib.request.urlopen(request, timeout=2) as response:
             return json.loads(response.read())
     except Exception:
         return None
@@ -275,7 +277,7 @@ def wait_ready(group: ProcessGroup, options: MeshOptions, stop: threading.Event)
                 _say(f"{child.name} exited with code {child.popen.returncode}; last lines of {child.log_path}:")
                 print(child.tail(), file=sys.stderr)
             return False
-        status = _ready(url) or {}
+        status = _ready(url, options.dev_key) or {}
         workers = int(status.get("workers", 0))  # type: ignore[arg-type]
         if workers != last:
             _say(f"waiting for workers: {workers}/{options.total_workers} registered"

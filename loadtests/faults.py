@@ -36,6 +36,10 @@ FAULTS = {  # fault -> what its process's command line contains
     "breaker": "services.breaker", "metering": "services.metering", "worker": "services.worker",
     "nats": "nats-server",
 }
+# more faults: each takes down several processes at once, or stops one for a while (issue 38.3)
+PAIRS = {"edge+worker": ("edge", "worker")}  # SIGKILLed together (one host): the edge's outbox bills its usage
+PAUSES = {"jetstream-away": "nats"}  # SIGSTOPped for --hold-s (default 300 s), then SIGCONT: JetStream away
+ALL_FAULTS = [*FAULTS, *PAIRS, *PAUSES]
 
 
 def _say(message: str) -> None:
@@ -60,7 +64,9 @@ class Mesh:
 
     def ready(self) -> bool:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/ready", timeout=2) as response:
+            request = urllib.request.Request(f"http://127.0.0.1:{self.port}/ready",
+                                             headers={"Authorization": f"Bearer {KEY}"})  # workers: a key's holder's
+            with urllib.request.urlopen(request, timeout=2) as response:
                 status = json.loads(response.read())
             return status.get("status") == "ready" and int(status.get("workers", 0)) >= self.workers
         except Exception:
@@ -124,15 +130,19 @@ class Mesh:
             self.log.close()
 
 
-async def run_fault(mesh: Mesh, fault: str, concurrency: int, before_s: float, after_s: float) -> dict:
+async def run_fault(mesh: Mesh, fault: str, concurrency: int, before_s: float, after_s: float,
+                    hold_s: float = 300.0) -> dict:
     load = Load(mesh.base_url, KEY, "tiny")
     driver = asyncio.create_task(load.run(concurrency))
     await asyncio.sleep(before_s)
-    victim = mesh.process(fault)
-    cmdline, before = victim.cmdline(), mesh.pids()
+    if fault in PAUSES:
+        return await _pause(mesh, fault, load, driver, hold_s, after_s)
+    victims = [mesh.process(part) for part in PAIRS.get(fault, (fault,))]
+    cmdline, before = victims[0].cmdline(), mesh.pids()
     killed_at = time.monotonic()
-    victim.send_signal(signal.SIGKILL)
-    _say(f"{fault}: SIGKILLed pid {victim.pid}")
+    for victim in victims:
+        victim.send_signal(signal.SIGKILL)
+    _say(f"{fault}: SIGKILLed pid {', '.join(str(v.pid) for v in victims)}")
     first_ok, back = await asyncio.gather(first_success_after(mesh.base_url, KEY, "tiny", killed_at, 60),
                                           mesh.back(cmdline, before, killed_at, 90))
     await asyncio.sleep(after_s)
@@ -140,6 +150,25 @@ async def run_fault(mesh: Mesh, fault: str, concurrency: int, before_s: float, a
     await driver
     _say(f"{fault}: {len(load.outcomes)} requests; first success after {first_ok}s, back after {back}s")
     return {"fault": fault, "outcomes": load.outcomes, "first_success_s": first_ok, "back_s": back}
+
+
+async def _pause(mesh: Mesh, fault: str, load: Load, driver: asyncio.Task, hold_s: float, after_s: float) -> dict:
+    """The process SIGSTOPped for ``hold_s`` (the clients' requests time out or wait), then SIGCONT: usage of
+    requests that ended before or during the pause must be billed once (the edges' outboxes hold it)."""
+    victim = mesh.process(PAUSES[fault])
+    victim.send_signal(signal.SIGSTOP)
+    _say(f"{fault}: SIGSTOPped pid {victim.pid} for {hold_s:.0f}s")
+    try:
+        await asyncio.sleep(hold_s)
+    finally:
+        victim.send_signal(signal.SIGCONT)
+    resumed_at = time.monotonic()
+    first_ok = await first_success_after(mesh.base_url, KEY, "tiny", resumed_at, 120)
+    await asyncio.sleep(after_s)
+    load.stop()
+    await driver
+    _say(f"{fault}: {len(load.outcomes)} requests; first success {first_ok}s after SIGCONT")
+    return {"fault": fault, "outcomes": load.outcomes, "first_success_s": first_ok, "back_s": 0.0}
 
 
 async def _create_database(admin_url: str) -> tuple[str, str]:
@@ -175,7 +204,7 @@ async def main_async(args: argparse.Namespace) -> dict:
     try:
         _say(f"mesh ready in {await mesh.wait_ready(120):.1f}s (logs: {state})")
         for fault in args.faults:
-            phases.append(await run_fault(mesh, fault, args.concurrency, args.before_s, args.after_s))
+            phases.append(await run_fault(mesh, fault, args.concurrency, args.before_s, args.after_s, args.hold_s))
             await mesh.wait_ready(60)
         rows = await ledger_rows(database_url, settle_s=args.settle_s)
     finally:
@@ -189,7 +218,9 @@ async def main_async(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--faults", nargs="+", default=list(FAULTS), choices=list(FAULTS))
+    parser.add_argument("--faults", nargs="+", default=ALL_FAULTS, choices=ALL_FAULTS,
+                        help="the faults to run, in order (e.g. only the new ones: edge+worker jetstream-away)")
+    parser.add_argument("--hold-s", type=float, default=300.0, help="how long a paused process stays stopped")
     parser.add_argument("--concurrency", type=int, default=8, help="client loops, half streamed, half plain")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--before-s", type=float, default=3.0, help="load before the kill")

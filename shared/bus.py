@@ -322,12 +322,21 @@ class StreamReceiver:
 
     def open(self, request_id: str, worker_id: str, first_timeout_s: float = 300.0,
              idle_timeout_s: float = 60.0) -> TokenStream:
+        """A stream for ``request_id``'s messages. Ids are unique per run (a batch line's runs each have their
+        own); one still open under the same id is failed, never left to wait out its deadline unheard."""
+        older = self._streams.get(request_id)
+        if older is not None and not older.done:
+            log.warning("stream %s opened again while open: the older one fails", request_id)
+            older.fail("bad_message", "another request took this stream's id")
         stream = TokenStream(request_id, worker_id, first_timeout_s, idle_timeout_s)
         self._streams[request_id] = stream
         return stream
 
-    def close(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+    def close(self, request_id: str, stream: TokenStream | None = None) -> None:
+        """Stop feeding ``request_id``'s stream; given ``stream``, only if it is still that one (not a newer one
+        opened under the same id)."""
+        if stream is None or self._streams.get(request_id) is stream:
+            self._streams.pop(request_id, None)
 
     def num_open(self, worker_id: str) -> int:
         """Streams served by ``worker_id`` still waiting for their end."""

@@ -108,7 +108,9 @@ class BenchMesh:
     def _ready(self) -> bool:
         """The edge is ready and sees every sim engine (a 503 while not: urlopen raises)."""
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/ready", timeout=2) as response:
+            request = urllib.request.Request(f"http://127.0.0.1:{self.port}/ready",
+                                             headers={"Authorization": f"Bearer {KEY}"})  # workers: a key's holder's
+            with urllib.request.urlopen(request, timeout=2) as response:
                 return json.loads(response.read())["workers"] >= self.fleet.workers
         except OSError:
             return False

@@ -218,7 +218,8 @@ class ClusterMesh:
 
 def _edge_ready(host: str, port: int) -> bool:
     try:
-        with urllib.request.urlopen(f"http://{host}:{port}/ready", timeout=2) as response:
+        request = urllib.request.Request(f"http://{host}:{port}/ready", headers={"Authorization": f"Bearer {KEY}"})
+        with urllib.request.urlopen(request, timeout=2) as response:
             status = json.loads(response.read())
         return status.get("status") == "ready" and int(status.get("workers", 0)) >= 4
     except Exception:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -54,7 +55,14 @@ class JobRun:
 
 
 def line_request_id(job_id: str, index: int) -> str:
+    """The line's id for good: its billing key (the ledger keeps one row per batch line, whatever its runs)."""
     return f"{job_id}_{index}"
+
+
+def line_run_id(line_id: str) -> str:
+    """One run's own request id (its streams, its worker's engine): runs of a line may overlap (a line timeout, a
+    preemption's drain, a leader change), and two requests of one id would collide in every per-id map."""
+    return f"{line_id}_r{uuid.uuid4().hex[:10]}"
 
 
 class Runner:
@@ -156,6 +164,7 @@ class Runner:
         record = run.job.record
         request = BatchLineRequest(job_id=record.id, team=record.team, key_prefix=record.key_prefix,
                                    line_index=line.index, request_id=line_request_id(record.id, line.index),
+                                   run_id=line_run_id(line_request_id(record.id, line.index)),
                                    endpoint=record.endpoint, body=line.body_json)
         self.stats["lines_sent"] += 1
         try:

@@ -18,6 +18,7 @@ import uuid
 from collections import OrderedDict
 from typing import Callable, get_args
 
+from services.edge.errors import unavailable
 from shared import errors
 from shared.bus import Bus, BusError
 from shared.schema import (
@@ -84,8 +85,7 @@ class AdmissionClient:
                                                timeout=min(wait_s + 2.0, ASK_EVERY_S))
             except BusError as exc:  # no leader right now, or the one asked died with the request: ask again
                 if time.monotonic() + 0.25 > deadline:
-                    raise errors.service_unavailable(f"admission is unavailable: {exc}",
-                                                     "admission_unavailable") from exc
+                    raise unavailable("Admission", "admission_unavailable", exc) from exc
                 if "no responder" in str(exc):
                     await asyncio.sleep(0.25)  # failing over: give the election a moment
                 continue

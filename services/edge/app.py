@@ -43,6 +43,14 @@ def _on_unexpected(_request: Request, exc: Exception) -> Response[bytes]:
                                            "server_error", None, "internal_error"))
 
 
+def _holds_a_key(api: EdgeApi, authorization: str | None) -> bool:
+    try:
+        api.authenticate(authorization)
+    except errors.ApiError:
+        return False
+    return True
+
+
 def create_app(api: EdgeApi) -> Litestar:
     @get("/v1/models", sync_to_thread=False)
     def list_models(request: Request) -> dict[str, Any]:
@@ -68,11 +76,13 @@ def create_app(api: EdgeApi) -> Litestar:
         return {"status": "ok"}
 
     @get("/ready", sync_to_thread=False)
-    def ready() -> Response[dict[str, Any]]:
-        live = api.mesh.directory.live()
+    def ready(request: Request) -> Response[dict[str, Any]]:
+        """Ready or not to anyone (probes carry no key); what it serves (workers, models) only to a key's holder."""
         is_ready = api.mesh.is_ready()
-        body = {"status": "ready" if is_ready else "not_ready", "workers": len(live),
-                "models": sorted({w.model for w in live})}
+        body: dict[str, Any] = {"status": "ready" if is_ready else "not_ready"}
+        if _holds_a_key(api, request.headers.get("authorization")):
+            live = api.mesh.directory.live()
+            body |= {"workers": len(live), "models": sorted({w.model for w in live})}
         return Response(body, status_code=200 if is_ready else 503)
 
     files = FilesApi(api.config, api.mesh.bus, api.authenticate)  # /v1/files: its own upload bounds (files.py)

@@ -28,6 +28,7 @@ from typing import Union
 
 import msgspec
 
+from services.edge.errors import stream_failure
 from services.edge.text import IncrementalDetokenizer, StopStringMatcher
 from shared import errors
 from shared.schema import (
@@ -63,7 +64,13 @@ TERMINAL = frozenset({Phase.FINISHED, Phase.FAILED, Phase.BROKEN, Phase.CANCELLE
 
 
 class StreamBroken(Exception):
-    """The stream failed after tokens reached the client and could not move on: the response is cut."""
+    """The stream failed after tokens reached the client and could not move on: the response is cut. Its text is
+    the client's (``services/edge/errors.py``: what kind of thing failed, the request id); ``detail`` (the stream
+    errors, with worker ids and the engine's exception text) is for the log and the trace."""
+
+    def __init__(self, message: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,7 +345,7 @@ class RequestRun:
             actions.insert(0, Report(a.worker_id, a.stream_id, False, "broken" if a.num_output else error.code))
         retryable = error.code in RETRYABLE
         if not self.output:
-            api_error = _api_error(error)
+            api_error = _api_error(error, self.request_id)
             if retryable and a.index < self.limits.retries:
                 self.first_failure = self.first_failure or api_error
                 return self._next_attempt(actions)
@@ -395,7 +402,7 @@ class RequestRun:
     def _break(self, code: str, why: str) -> list[Action]:
         self.phase = Phase.BROKEN
         usage = self._usage("failed", code, self.attempt.prefill_cached or 0)
-        return [Settle(self._settle(usage)), Fail(StreamBroken(why))]
+        return [Settle(self._settle(usage)), Fail(StreamBroken(stream_failure(code, self.request_id), why))]
 
     def _fail(self, error: errors.ApiError) -> list[Action]:
         self.phase = Phase.FAILED
@@ -431,9 +438,11 @@ def _cached(prefill_cached: int | None, decode_cached: int, prompt_tokens: int) 
     return min(decode_cached if prefill_cached is None else prefill_cached, prompt_tokens)
 
 
-def _api_error(error: StreamError) -> errors.ApiError:
-    if error.code in RETRYABLE:
-        return errors.service_unavailable(f"The worker failed: {error.message}", error.code)
+def _api_error(error: StreamError, request_id: str) -> errors.ApiError:
+    """What the client is told of a stream error before its first token: the worker's message only where it is
+    about the request (bad_request); otherwise a stable one (the mesh logs the error's detail: mesh.py)."""
     if error.code == "bad_request":
         return errors.invalid_request(error.message)
-    return errors.engine_failed(f"The engine failed: {error.message}")
+    if error.code in RETRYABLE:
+        return errors.service_unavailable(stream_failure(error.code, request_id), error.code)
+    return errors.engine_failed(stream_failure(error.code, request_id))

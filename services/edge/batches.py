@@ -16,6 +16,7 @@ from typing import Any, Callable
 import msgspec
 from litestar import Request, Response, get, post
 
+from services.edge.errors import unavailable
 from shared import errors
 from shared.batch_schema import BatchApiReply, BatchApiRequest, BatchJobRecord
 from shared.bus import Bus, BusError
@@ -46,7 +47,7 @@ async def ask(bus: Bus, operation: str, request: BatchApiRequest) -> BatchApiRep
     try:
         reply = await bus.request(bus.subjects.batch_api(operation), request, BatchApiReply, timeout=API_TIMEOUT_S)
     except BusError as exc:
-        raise errors.service_unavailable(f"The batch service is unavailable: {exc}", "batch_unavailable") from exc
+        raise unavailable("The batch service", "batch_unavailable", exc) from exc
     _raise_if_error(reply)
     return reply
 

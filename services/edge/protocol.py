@@ -45,6 +45,10 @@ Count = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 
 
 MAX_ID_LENGTH = 256  # session ids and cache salts
+MAX_STOPS = 4  # OpenAI's limit
+# a stop string's longest: the stop matcher holds back (and copies per token) up to its length - 1 characters of
+# output, on the loop every stream shares (text.py); 4 of 1M characters made a request O(n^2) there
+MAX_STOP_CHARS = 512
 
 
 class InvalidRequest(Exception):
@@ -249,8 +253,12 @@ def _check_common(req: _Common, table: Table) -> Sampling:
         raise InvalidRequest(f"cache_salt must be a non-empty string of at most {MAX_ID_LENGTH} characters.",
                              param="cache_salt")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > 4:
-        raise InvalidRequest("At most 4 stop sequences are allowed.", param="stop")
+    if len(stop) > MAX_STOPS:
+        raise InvalidRequest(f"At most {MAX_STOPS} stop sequences are allowed.", param="stop")
+    too_long = next((i for i, s in enumerate(stop) if len(s) > MAX_STOP_CHARS), None)
+    if too_long is not None:
+        raise InvalidRequest(f"Stop sequences may be at most {MAX_STOP_CHARS} characters long; stop sequence "
+                             f"{too_long} (from 0) has {len(stop[too_long])}.", "stop", "string_above_max_length")
     return Sampling(
         max_tokens=req.max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,

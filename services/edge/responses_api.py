@@ -35,6 +35,7 @@ from litestar.types import Receive, Scope, Send
 
 from services.edge import http
 from services.edge.api import EdgeApi, thinker
+from services.edge.errors import unavailable
 from services.edge.http import HttpRequest, Reply
 from services.edge.prep import Peek
 from services.edge.shapes.responses import ResponsesShape
@@ -96,11 +97,9 @@ class ResponsesApi:
                 if time.monotonic() < deadline:
                     await asyncio.sleep(0.05)
                     continue
-                raise errors.service_unavailable(f"Stored responses are unavailable: {exc}",
-                                                 "responses_unavailable") from exc
+                raise unavailable("The stored-responses service", "responses_unavailable", exc) from exc
             except BusError as exc:
-                raise errors.service_unavailable(f"Stored responses are unavailable: {exc}",
-                                                 "responses_unavailable") from exc
+                raise unavailable("The stored-responses service", "responses_unavailable", exc) from exc
 
     async def create(self, request: HttpRequest) -> Reply:
         team = request.caller.team

@@ -288,7 +288,8 @@ class WorkerService:
                 log.exception("request %s failed", request.request_id)
                 span.set_status(Status(StatusCode.ERROR, str(exc)))
                 if not stream.closed:
-                    await stream.error("engine_error", f"{type(exc).__name__}: {exc}")
+                    # the exception's text stays here (log, span): an edge of before issue 38 showed it to clients
+                    await stream.error("engine_error", f"{type(exc).__name__} (the worker's log has the rest)")
             finally:
                 self._load_changed.set()
 

@@ -23,9 +23,10 @@ def workers(up: UpProcess) -> list:
     return [p for p in up.descendants() if "services.worker" in p.cmdline()]
 
 
-def ready_workers(port: int) -> int:
+def ready_workers(port: int, key: str) -> int:
     try:
-        answer = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).json()
+        answer = httpx.get(f"http://127.0.0.1:{port}/ready", headers={"Authorization": f"Bearer {key}"},
+                           timeout=2).json()
     except (httpx.HTTPError, ValueError):
         return 0
     return answer.get("workers", 0) if answer.get("status") == "ready" else 0
@@ -57,7 +58,7 @@ async def test_a_zero_ratio_still_keeps_the_failed_and_the_slow_request(nats_url
                             killed.add(process.pid)
                             process.kill()
             await eventually(lambda: {p.pid for p in workers(up)} - killed, 60)  # up's supervisor restarts it
-            await eventually(lambda: ready_workers(port) == 1, 60)
+            await eventually(lambda: ready_workers(port, up.key) == 1, 60)
             slow = await client.completions.with_raw_response.create(  # 60 tokens at 10 ms: past SLOW_MS
                 model="tiny", prompt=[5, 6, 8], max_tokens=60, extra_body={"ignore_eos": True})
             ids = {name: r.headers["traceparent"].split("-")[1]

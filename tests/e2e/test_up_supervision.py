@@ -96,7 +96,7 @@ async def test_up_restarts_a_killed_worker_edge_and_nats_and_sigterm_stops_every
         await eventually(lambda: said(up, r"edge-\d restarted \(pid \d+\)") and health(port), 30)
         await eventually(lambda: len(edge_processes(up)) == 2, 30)
         assert edges[0].pid not in {p.pid for p in edge_processes(up)}
-        await eventually(lambda: _ready_with(port, 2), 30)
+        await eventually(lambda: _ready_with(port, 2, up.key), 30)
         await chat_ok(client, 4)
         assert not said(up, r"nats died|router-\d died|worker-0 died")  # the others were never touched
 
@@ -126,9 +126,11 @@ async def _serves(client: openai.AsyncOpenAI) -> bool:
         return False
 
 
-def _ready_with(port: int, workers: int) -> bool:
+def _ready_with(port: int, workers: int, key: str) -> bool:
+    """The edge is ready with ``workers`` (its /ready counts them only for a key's holder)."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as response:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/ready", headers={"Authorization": f"Bearer {key}"})
+        with urllib.request.urlopen(request, timeout=1) as response:
             return json.loads(response.read()).get("workers", 0) >= workers
     except OSError:
         return False

@@ -28,6 +28,7 @@ from services.edge.attempt import (
     StreamBroken,
     Usage,
 )
+from services.edge.errors import stream_failure
 from services.edge.text import IncrementalDetokenizer, StopStringMatcher
 from shared import errors
 from shared.schema import (
@@ -410,24 +411,34 @@ def test_a_character_split_across_a_migration_is_emitted_whole():
 
 
 # ---------------------------------------------------------------- errors raised
-def test_the_stream_errors_raised_name_what_broke():
+def test_the_stream_errors_raised_name_what_broke_in_their_detail_and_only_a_stable_text_to_the_client():
+    """The detail (worker ids, the engine's exception text, the router's answer) is the log's (StreamBroken.detail);
+    the client's text says what kind of thing failed and names the request id (issue 38, review finding 15)."""
     _, flat = drive(make_run(migrations=1), routed("w1"), tok("a"), err("worker_unavailable", message="w1 left"),
                     routed("w2"), tok("b", "r-a1"), err("engine_error", "r-a1", "CUDA fell over"))
-    assert str(fail_of(flat)) == "engine_error: CUDA fell over (the migration limit of 1 is reached)"
+    broken = fail_of(flat)
+    assert broken.detail == "engine_error: CUDA fell over (the migration limit of 1 is reached)"
+    assert str(broken) == stream_failure("engine_error", "r")
 
     _, flat = drive(make_run(migrations=0), routed("w1"), tok("a"), err("worker_unavailable", message="w1 left"))
-    assert str(fail_of(flat)) == "worker_unavailable: w1 left"
+    assert fail_of(flat).detail == "worker_unavailable: w1 left"
 
     _, flat = drive(make_run(), routed("w1"), tok("a"), err("worker_unavailable", message="w1 left"),
                     no_route(message="all busy"))
-    assert str(fail_of(flat)) == ("worker_unavailable: w1 left; no other worker could take the stream over "
-                                  "(all busy)")
+    broken = fail_of(flat)
+    assert broken.detail == "worker_unavailable: w1 left; no other worker could take the stream over (all busy)"
+    assert str(broken) == stream_failure("worker_unavailable", "r") and "request ID r." in str(broken)
+    assert "w1" not in str(broken) and "busy" not in str(broken)
 
 
-def test_before_the_first_token_the_error_is_an_api_error():
-    _, flat = drive(make_run(), routed("w1"), err("worker_unavailable", message="w1 left"), no_route())
+@pytest.mark.parametrize("code", ["worker_unavailable", "engine_error", "timeout", "stream_gap", "shutdown"])
+def test_before_the_first_token_the_error_is_an_api_error_without_the_workers_text(code):
+    _, flat = drive(make_run(retries=0), routed("w1"),
+                    err(code, message="RuntimeError: worker w1 at /models/secret/tokenizer.json fell over"))
     error = fail_of(flat)
-    assert isinstance(error, errors.ApiError) and error.message == "The worker failed: w1 left"
+    assert isinstance(error, errors.ApiError) and error.message == stream_failure(code, "r")
+    assert "w1" not in error.json().decode() and "secret" not in error.json().decode()
+    assert error.status == (503 if code != "shutdown" else 502)
 
     _, flat = drive(make_run(), routed("w1"), err("bad_request", message="prompt too long"))
     error = fail_of(flat)
