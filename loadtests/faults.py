@@ -1,6 +1,8 @@
 """The fault matrix: `infermesh up` (sim engine, ledger on Postgres) under streamed and plain load while, in
 turn, one part of it is SIGKILLed: an edge (of two sharing the port), a router replica (of two), the admission
-leader (of two), the breaker, metering, a worker mid-stream, and nats-server. `up`'s supervisor restarts each.
+leader (of two), the breaker, metering, a worker mid-stream, and nats-server; then an edge and a worker SIGKILLed
+together (one host: ``edge+worker``), and nats-server SIGSTOPped for 5 minutes (``jetstream-away``, ``--hold-s``).
+`up`'s supervisor restarts each. ``--faults`` runs only the named ones.
 
 Per fault: client errors by kind, hung requests (must be 0), usage the clients were shown vs rows in the ledger
 (must be equal: nothing lost, nothing doubled), streams cut after tokens and whether the ledger billed them,
