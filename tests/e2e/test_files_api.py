@@ -181,3 +181,22 @@ async def test_on_a_locked_bus_the_edge_serves_files_without_a_refusal(tmp_path,
     finally:
         await mesh.stop()
         locked.stop()
+
+
+async def test_a_team_past_its_storage_quota_gets_a_400_naming_it_and_another_team_still_uploads(nats_url, namespace):
+    mesh = LocalMesh(nats_url, namespace, dev_key=KEY)
+    await mesh.start_edge(api_keys=f"{SALES_KEY}:sales", team_file_bytes=1000, team_files=2)
+    try:
+        research, line = client(mesh), b'{"custom_id": "a"}\n'
+        first = await research.files.create(file=("a.jsonl", line * 30), purpose="batch")
+        with pytest.raises(openai.BadRequestError) as refused:  # 30 + 30 lines > 1000 bytes
+            await research.files.create(file=("b.jsonl", line * 30), purpose="batch")
+        error = refused.value.body
+        assert (error["code"], error["param"], error["type"]) == ("storage_quota_exceeded", "file",
+                                                                 "invalid_request_error")
+        assert "of its 1000 bytes" in error["message"] and "DELETE /v1/files" in error["message"]
+        await client(mesh, SALES_KEY).files.create(file=("theirs.jsonl", line * 30), purpose="batch")
+        await research.files.delete(first.id)
+        await research.files.create(file=("b.jsonl", line * 30), purpose="batch")
+    finally:
+        await mesh.stop()
