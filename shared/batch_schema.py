@@ -91,8 +91,9 @@ class BatchJobRecord(Struct, frozen=True, kw_only=True):
 class BatchLineRequest(Struct, frozen=True, kw_only=True):
     """One line for any edge to run (``<ns>.batch.line``), as the team's own request of class ``batch``.
 
-    ``request_id`` is the line's for good (``batch_<job hex>_<line>``): a line run again after a crash is billed
-    under the same id, and the ledger keeps one row per batch request id."""
+    ``request_id`` is the line's for good (``batch_<job hex>_<line>``): its billing key, the same in every run of
+    the line, and the ledger keeps one row per batch request id. ``run_id`` is this run's own (``<request_id>_r<hex>``):
+    the id of its streams and of its request on a worker, which runs of one line that overlap must not share."""
 
     job_id: str
     team: str
@@ -101,6 +102,7 @@ class BatchLineRequest(Struct, frozen=True, kw_only=True):
     request_id: str
     endpoint: BatchEndpoint
     body: bytes  # the line's ``body`` as JSON
+    run_id: str = ""  # "": ``request_id`` (a batch service from before run ids)
 
 
 class BatchLineReply(Struct, frozen=True):

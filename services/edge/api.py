@@ -133,7 +133,8 @@ class EdgeApi:
         self._check_fits_bus(prompt_ids, tokenizer.vocab_size - 1, params, "prompt" if kind == "text" else "messages")
         arrived = time.time()
         caller: Caller = request.caller
-        request_id = request.request_id or uuid.uuid4().hex
+        request_id = request.request_id or uuid.uuid4().hex  # its run's: streams, workers (a batch line's run's)
+        billing_id = request.line_id or request_id  # what it is billed under: a batch line's every run, once
         hints = RouteHints(self._session_id(request, prepared), prepared.cache_salt, caller.team,
                            prepared.cache_prefix_tokens)
         span = tracing.start_request_span(kind, request.path, request.headers, request_id, model, len(prompt_ids),
@@ -156,14 +157,14 @@ class EdgeApi:
                 raise
             timing.admitted = time.time()
         trace_id = _trace_id(span, request.headers)
-        billing = BillingContext(request_id=request_id, attempt=0, team=caller.team, key_prefix=caller.key_prefix,
+        billing = BillingContext(request_id=billing_id, attempt=0, team=caller.team, key_prefix=caller.key_prefix,
                                  model=model, request_class=klass, worker_id="", trace_id=trace_id,
                                  created_at=arrived, batch_id=request.batch_id,
                                  trajectory=hints.session_id or "")  # signed per attempt: billed if we die
         run = self.mesh.new_run(request_id, model, prompt_ids, params, tokenizer, prepared.stop, billing, hints,
                                 self._max_migrations(request))
         run.lease_deployment = lease[0].name if lease is not None else ""
-        bill = _Bill(request_id, caller, model, arrived, lease, asyncio.get_running_loop().create_future(),
+        bill = _Bill(billing_id, caller, model, arrived, lease, asyncio.get_running_loop().create_future(),
                      run.usage_so_far, trace_id, request.batch_id, span=span, trajectory=hints.session_id or "",
                      entry=self.mesh.usage.open(), delivered=lambda: delivered_usage(run))
         events = tracing.in_span(_then(self._revocable(self.mesh.generate(run, bill.settle), klass, bill),
@@ -180,7 +181,7 @@ class EdgeApi:
         except BaseException:
             span.end()
             raise
-        shape = shape_for(request_id)
+        shape = shape_for(billing_id)  # the response is named as it is billed (a batch line's: the line's id)
         headers = _trace_headers(request_id, span)
         if prepared.ignored_tools:  # built-in tools the mesh cannot run: left out of the prompt, and said so
             headers["x-infermesh-ignored-tools"] = ",".join(prepared.ignored_tools)
@@ -381,8 +382,8 @@ async def _until_revoked(events: AsyncIterator[str | Usage], revoked: "asyncio.F
                          drain_s: float) -> AsyncIterator[str | Usage]:
     """``events`` until ``revoked`` resolves: then the run is wound up as if its client left (its worker aborts,
     freeing the KV at once), the bill is marked preempted, and once the abort has drained (at most ``drain_s``:
-    a batch line sent again at once reuses the request id, so the old run must be gone from the worker and from
-    this edge's streams first) 429 ``preempted`` is raised."""
+    its final counts settle it, and the capacity is free before the batch service sends the line again, as a new
+    run with its own id) 429 ``preempted`` is raised."""
     async with aclosing(events) as inner:  # type: ignore[type-var]
         while True:
             step = asyncio.ensure_future(inner.__anext__())

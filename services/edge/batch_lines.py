@@ -7,9 +7,13 @@ the status and body an HTTP client would have got.
                   <--BatchLineReply---  (status, body, request id, Retry-After)
 
 Only the batch role may publish there on a locked bus (``infermesh/bus_roles.py``): the line carries its team,
-and the bus's permissions are what make that trustworthy. The line's request id is its own for good
-(``batch_<job>_<line>``): a line run again after a crash is billed under the same id, once (the ledger keeps one
-row per batch request id). Each line runs in its own task; how many at once is the batch service's to bound.
+and the bus's permissions are what make that trustworthy. Only such a line is of class ``batch`` (the class is
+granted, never claimed: a client's ``X-Request-Class`` only labels its request), and only its preempted run goes
+unbilled. The line's request id is its own for good (``batch_<job>_<line>``): every run of the line is billed
+under it, once (the ledger keeps one row per batch request id), and the reply names it. Each run has its own id
+besides (``run_id``, ``<line id>_r<hex>``): its streams' and its worker's, as runs that overlap (a line timeout,
+a preemption's drain, a leader change) must not share one. Each line runs in its own task; how many at once is
+the batch service's to bound.
 """
 
 from __future__ import annotations
@@ -43,11 +47,11 @@ def _streams(body: bytes) -> bool:
 
 
 def line_request(line: BatchLineRequest, trace_headers: dict[str, str] | None = None) -> HttpRequest:
-    """The line as the HTTP request its team would have sent (class batch, never streamed), in the trace of the
-    line's run (its message's ``traceparent``)."""
+    """The line as the HTTP request its team would have sent (class batch, never streamed), under its run's id and
+    billed under the line's, in the trace of the line's run (its message's ``traceparent``)."""
     headers = {"content-type": "application/json", "x-request-class": "batch", **(trace_headers or {})}
     return HttpRequest("POST", line.endpoint, headers, line.body, Caller(line.team, line.key_prefix),
-                       line.request_id, line.job_id)
+                       line.run_id or line.request_id, line.job_id, line.request_id)
 
 
 async def run_line(line: BatchLineRequest, handlers: dict[str, Handler],

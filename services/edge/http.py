@@ -47,8 +47,9 @@ class HttpRequest:
     headers: dict[str, str]  # lower-case names
     body: bytes
     caller: Any = None  # who sent it, once authenticated (services.edge.keys.Caller)
-    request_id: str = ""  # "": a new one; a batch line's own for good (services/edge/batch_lines.py)
+    request_id: str = ""  # "": a new one; a batch line's run's own (services/edge/batch_lines.py)
     batch_id: str = ""  # the batch job a line belongs to (billed at the batch price)
+    line_id: str = ""  # a batch line's id for good: billed under it, once, whatever its runs ("": request_id)
 
 
 @dataclass(slots=True)

@@ -357,8 +357,8 @@ class EdgeMesh:
                     return
                 queue.extend(run.message(await wire.streams[run.stream_id].next(), time.monotonic()))
         finally:
-            for stream_id in list(wire.streams):
-                wire.links[stream_id].receiver.close(stream_id)
+            for stream_id, stream in list(wire.streams.items()):
+                wire.links[stream_id].receiver.close(stream_id, stream)
             if not run.settled:
                 on_settled(run.usage)
 
@@ -397,10 +397,10 @@ class EdgeMesh:
             if action.drain and stream is not None:  # its end message (final counts) is awaited shortly
                 stream.deadline = min(stream.deadline, time.monotonic() + self.config.abort_drain_timeout_s)
         elif isinstance(action, Close):
-            wire.streams.pop(action.stream_id, None)
+            stream = wire.streams.pop(action.stream_id, None)
             link = wire.links.get(action.stream_id)
-            if link is not None:
-                link.receiver.close(action.stream_id)
+            if link is not None and stream is not None:  # only this run's stream (another may reuse its id)
+                link.receiver.close(action.stream_id, stream)
         elif isinstance(action, Settle):
             on_settled(action.usage)
         return []
