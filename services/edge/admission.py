@@ -50,7 +50,7 @@ class AdmissionClient:
         self.held: set[str] = set()
         self.ttl_s = 10.0
         self._renewer: asyncio.Task[None] | None = None
-        self._background: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Future] = set()  # releases being published; asks whose request left
         self._watchers: dict[str, Callable[[], None]] = {}  # lease id -> what to do if admission revokes it
         self._early: OrderedDict[str, None] = OrderedDict()  # revoked before its request watched it
         self._revocations = None
@@ -73,7 +73,28 @@ class AdmissionClient:
     async def acquire(self, team: str, klass: str, model: str, prompt_tokens: int, max_tokens: int,
                       wait_s: float) -> str:
         """A lease id, or an ApiError: 429 (limits, budget; ``PoolFull`` for a full queue or no room within
-        ``wait_s``: 0 asks for room now), 400 (can never fit), 503 (no worker, no admission)."""
+        ``wait_s``: 0 asks for room now), 400 (can never fit), 503 (no worker, no admission).
+
+        A request cancelled while it waits (its client left) leaves its ask running: admission may grant it after
+        all (the request was queued there, or the grant crossed the cancel), and that lease is released at once
+        instead of holding the pool's capacity until it lapses."""
+        asking = asyncio.ensure_future(self._acquire(team, klass, model, prompt_tokens, max_tokens, wait_s))
+        try:
+            return await asyncio.shield(asking)
+        except asyncio.CancelledError:
+            self._background.add(asking)
+            asking.add_done_callback(self._abandoned)
+            raise
+
+    def _abandoned(self, asking: asyncio.Future[str]) -> None:
+        """The ask of a request that left ended: a lease it got is given back."""
+        self._background.discard(asking)
+        if not asking.cancelled() and asking.exception() is None:
+            log.info("lease %s granted after its request left: released", asking.result())
+            self.release(asking.result())
+
+    async def _acquire(self, team: str, klass: str, model: str, prompt_tokens: int, max_tokens: int,
+                       wait_s: float) -> str:
         # past the wait by one ask: admission's own answer at the end of the wait (queue_timeout) still arrives
         deadline = time.monotonic() + max(wait_s + ASK_EVERY_S, FAILOVER_S)
         ticket = uuid.uuid4().hex  # the same in every ask: admission answers a ticket it knows as it stands
