@@ -3,13 +3,9 @@
 ``prepare`` is pure (no bus, no HTTP): decode, validate, render tools and history, chat template,
 tokenize, context-length check, grammar. It is where a request's CPU goes before routing, and a hostile
 body can make it long: a tool schema's meta-schema check costs ~5 s per MiB (jsonschema), tokenizing ~1 s
-per MiB of text, a chat template of 100K messages ~2 s. So ``PrepPool`` runs it
-
-- inline on the event loop for bodies up to ``inline_bytes`` whose tool / response_format schemas
-  (if any) were prepared before (the common agent turn: cheaper than a hop, well under a millisecond);
-- otherwise in a worker process (``processes`` of them, started on first use from a fork server that
-  imported the edge's modules once; a worker loads the model's tokenizer on its first job, so the first
-  such request of an edge waits a few seconds).
+per MiB of text, a chat template of 100K messages ~2 s. So ``PrepPool`` (prep_pool.py) runs it inline on the
+event loop for small bodies with known schemas, else in a prep process (``worker_main``, prep_workers.py), in
+the turn the fair queue gives (prep_queue.py).
 
 Not in a thread: jsonschema, jinja and the tokenizer hold the GIL, and the event loop then waits up
 to the switch interval (5 ms) after each syscall. Measured here (``python -m loadtests.hostile
