@@ -25,6 +25,7 @@ class BatchConfig(BusConfig):
     completion_window_s: int = 0  # a job's deadline after its creation (0: its completion_window, 24 h)
     max_jobs_per_team: int = 100  # a team's unfinished jobs at once; one more is refused (429, OpenAI's words)
     max_input_bytes_per_team: int = 2 * 1024**3  # the input bytes of a team's unfinished jobs, the new one's too
+    spool_dir: str = ""  # where inputs are spooled while their jobs run (unlinked at once; "" = the temp dir)
     submit_retry_s: float = 2.0  # a bus submission that failed unexpectedly (a database blip) comes again after this
     submit_max_deliveries: int = 5  # ... up to this many times; then it is a failed job saying why (submissions.py)
     submit_restart_s: float = 1.0  # the submissions consumer that died is restarted after this, doubling

@@ -69,16 +69,28 @@ def _message_text(message: Any) -> str:
     return f"<{message.get('role')}>{content}\n"
 
 
+class PrefixTrie:
+    """The trie of prefix order, a text at a time (a streamed input's lines, as they are read): ``path`` is the
+    text's nodes, numbered by first appearance; sorting texts by path (stably) is prefix order."""
+
+    def __init__(self, block: int = PREFIX_BLOCK, depth: int = PREFIX_DEPTH) -> None:
+        self.block, self.depth = block, depth
+        self._node_ids: dict[tuple[int, str], int] = {}  # (parent node, block text) -> node
+        self._paths: dict[tuple[int, ...], tuple[int, ...]] = {}  # each path once: lines that share one share it
+
+    def path(self, text: str) -> tuple[int, ...]:
+        path, parent, block = [], -1, self.block
+        for start in range(0, min(len(text), block * self.depth), block):
+            parent = self._node_ids.setdefault((parent, text[start:start + block]), len(self._node_ids))
+            path.append(parent)
+        found = tuple(path)
+        return self._paths.setdefault(found, found)
+
+
 def prefix_order(texts: Sequence[str], block: int = PREFIX_BLOCK, depth: int = PREFIX_DEPTH) -> list[int]:
     """Positions of ``texts`` in prefix order (see the module docstring); a stable sort by trie path."""
-    node_ids: dict[tuple[int, str], int] = {}  # (parent node, block text) -> node, numbered by first appearance
-    paths: list[list[int]] = []
-    for text in texts:
-        path, parent = [], -1
-        for start in range(0, min(len(text), block * depth), block):
-            parent = node_ids.setdefault((parent, text[start:start + block]), len(node_ids))
-            path.append(parent)
-        paths.append(path)
+    trie = PrefixTrie(block, depth)
+    paths = [trie.path(text) for text in texts]
     return sorted(range(len(texts)), key=paths.__getitem__)
 
 
@@ -104,14 +116,22 @@ class Dispatcher:
 
     def add_job(self, job_id: str, expires_at: int, created_at: int, lines: Sequence[BatchLine]) -> None:
         """Queue a validated job's lines (a job already queued is left as it is)."""
+        trie = PrefixTrie()
+        self.add_paths(job_id, expires_at, created_at, [line.index for line in lines],
+                       [trie.path(prompt_text(line.body)) for line in lines])
+
+    def add_paths(self, job_id: str, expires_at: int, created_at: int, indices: Sequence[int],
+                  paths: Sequence[tuple[int, ...]]) -> None:
+        """``add_job`` for lines known by index and prefix path (``PrefixTrie``, built as a streamed input was
+        read): the bodies need not be in memory."""
         if job_id in self._jobs:
             return
         if self._shuffled:
-            order = list(range(len(lines)))
+            order = list(range(len(indices)))
             random.Random(job_id).shuffle(order)
         else:
-            order = prefix_order([prompt_text(line.body) for line in lines])
-        job = _Job(job_id, (expires_at, created_at, next(self._added)), deque(lines[i].index for i in order))
+            order = sorted(range(len(indices)), key=paths.__getitem__)
+        job = _Job(job_id, (expires_at, created_at, next(self._added)), deque(indices[i] for i in order))
         self._jobs[job_id] = job
         bisect.insort(self._order, (job.rank, job_id))
 

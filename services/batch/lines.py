@@ -17,6 +17,10 @@ Input: JSONL, one request a line, ``{"custom_id": str, "method": "POST", "url": 
     mismatched_model             body.model differs from the first line's (one model per batch, as OpenAI)
     unsupported_value            body.stream is true, or body.n > 1 (a batch line has one, unstreamed, answer)
 
+``InputScanner`` applies these rules a chunk at a time (the batch service streams a file through it off the event
+loop, input.py), keeping only what the rules need (the custom ids seen, the first model, the errors);
+``parse_input`` is the same over a whole file in memory.
+
 These codes read like OpenAI's (its docs list the error object's fields, not the codes of validation); at most
 ``max_errors`` are collected, then validation stops. The body is not checked further here: the edge validates it
 when the line runs, and a bad body becomes that line's error, not the batch's.
@@ -29,7 +33,7 @@ was cancelled or expired first: ``batch_cancelled`` / ``batch_expired``).
 from __future__ import annotations
 
 import secrets
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from msgspec import Struct
@@ -58,49 +62,131 @@ class _LineRejected(Exception):
         self.code, self.message, self.param = code, message, param
 
 
+class _Sendable(Struct):
+    custom_id: str
+    body: msgspec.Raw
+
+
 _decoder = msgspec.json.Decoder()
+_sendable = msgspec.json.Decoder(_Sendable)
+
+
+class ScannedLine(NamedTuple):
+    """A valid line and where it lies in the file: bytes ``start`` to ``end`` (without its newline)."""
+
+    line: BatchLine
+    start: int
+    end: int
+
+
+class InputScanner:
+    """The input rules over a file fed a chunk at a time, pure. ``feed`` and ``finish`` return the valid lines each
+    completes (a line is complete at its newline, or at the end); ``errors`` then says whether the file as a whole
+    is refused. Memory: the custom ids seen and the line being cut, never the file."""
+
+    def __init__(self, endpoint: str, max_errors: int = MAX_ERRORS) -> None:
+        self.endpoint, self.max_errors = endpoint, max_errors
+        self.model = ""
+        self.num_bytes = 0
+        self._errors: list[BatchLineError] = []
+        self._seen: set[str] = set()
+        self._partial = b""  # the line being cut (no newline yet)
+        self._offset = 0  # where it starts in the file
+        self._next_index = 0
+        self._last_request = -1  # the index of the last line that is not blank
+        self._blanks: list[int] = []  # blank lines not yet known to be at the end (the first max_errors of them)
+
+    @property
+    def num_lines(self) -> int:
+        """The file's lines so far, blank lines at the end not counted."""
+        return self._last_request + 1
+
+    def feed(self, chunk: bytes) -> list[ScannedLine]:
+        self.num_bytes += len(chunk)
+        pieces = (self._partial + chunk).split(b"\n")
+        self._partial = pieces.pop()
+        scanned = []
+        for raw in pieces:
+            line = self._line(raw, self._offset)
+            self._offset += len(raw) + 1
+            if line is not None:
+                scanned.append(line)
+        return scanned
+
+    def finish(self) -> list[ScannedLine]:
+        """The end of the file: its last line, if it has no final newline."""
+        raw, self._partial = self._partial, b""
+        line = self._line(raw, self._offset) if raw else None
+        return [] if line is None else [line]
+
+    def errors(self) -> list[BatchLineError]:
+        """Why the whole file is refused, after ``finish`` ([]: it is valid, ``num_lines`` lines for ``model``)."""
+        if self.num_bytes > MAX_BATCH_FILE_BYTES:
+            return too_large(self.num_bytes)
+        if not self.num_lines:
+            return _failed(BatchLineError("empty_file", "The file has no request in it."))
+        if self.num_lines > MAX_BATCH_LINES:
+            return _failed(BatchLineError("too_many_lines", f"The file has {self.num_lines} lines; a batch may have "
+                                          f"at most {MAX_BATCH_LINES}.", line=MAX_BATCH_LINES + 1))
+        return self._errors[:self.max_errors]
+
+    def _line(self, raw: bytes, start: int) -> ScannedLine | None:
+        index, self._next_index = self._next_index, self._next_index + 1
+        if not raw.strip():  # an error unless only blank lines follow it
+            if len(self._blanks) < self.max_errors:
+                self._blanks.append(index)
+            return None
+        self._last_request = index
+        for blank in self._blanks:
+            self._reject(index, _LineRejected("invalid_json_line", "The line is blank; only the end of the file "
+                                              "may have blank lines."), blank)
+        self._blanks.clear()
+        if index >= MAX_BATCH_LINES or len(self._errors) >= self.max_errors:
+            return None  # refused already: lines are only counted from here
+        try:
+            line = _parse_line(index, raw, self.endpoint)
+            if line.custom_id in self._seen:
+                raise _LineRejected("duplicate_custom_id", f"The custom_id {line.custom_id!r} is used by an "
+                                    "earlier line; each must be unique within the file.", "custom_id")
+            if self.model and line.model != self.model:
+                raise _LineRejected("mismatched_model", f"The model {line.model!r} differs from {self.model!r}, the "
+                                    "first line's; every line of a batch must use the same model.", "body.model")
+        except _LineRejected as exc:
+            self._reject(index, exc)
+            return None
+        self._seen.add(line.custom_id)
+        self.model = self.model or line.model
+        return ScannedLine(line, start, start + len(raw))
+
+    def _reject(self, _index: int, exc: _LineRejected, at: int | None = None) -> None:
+        if len(self._errors) < self.max_errors:
+            self._errors.append(BatchLineError(exc.code, exc.message, exc.param, (_index if at is None else at) + 1))
 
 
 def parse_input(data: bytes, endpoint: str, max_errors: int = MAX_ERRORS) -> list[BatchLine] | list[BatchLineError]:
     """Check ``data`` (the uploaded file) as the input of a batch calling ``endpoint``: every line, in order, all
     for one model (``lines[0].model``), or else the errors (never an empty list: an empty file is an error)."""
-    if len(data) > MAX_BATCH_FILE_BYTES:
-        return _failed(BatchLineError("file_too_large", f"The file is {len(data)} bytes; a batch input file may "
-                                      f"have at most {MAX_BATCH_FILE_BYTES}."))
-    raw_lines = data.split(b"\n")
-    while raw_lines and not raw_lines[-1].strip():
-        raw_lines.pop()  # blank lines at the end (and the final newline)
-    if not raw_lines:
-        return _failed(BatchLineError("empty_file", "The file has no request in it."))
-    if len(raw_lines) > MAX_BATCH_LINES:
-        return _failed(BatchLineError("too_many_lines", f"The file has {len(raw_lines)} lines; a batch may have at "
-                                      f"most {MAX_BATCH_LINES}.", line=MAX_BATCH_LINES + 1))
-    errors: list[BatchLineError] = []
-    lines: list[BatchLine] = []
-    seen: set[str] = set()
-    model = ""
-    for index, raw in enumerate(raw_lines):
-        if len(errors) >= max_errors:
-            break
-        try:
-            line = _parse_line(index, raw, endpoint)
-            if line.custom_id in seen:
-                raise _LineRejected("duplicate_custom_id", f"The custom_id {line.custom_id!r} is used by an "
-                                    "earlier line; each must be unique within the file.", "custom_id")
-            if model and line.model != model:
-                raise _LineRejected("mismatched_model", f"The model {line.model!r} differs from {model!r}, the "
-                                    "first line's; every line of a batch must use the same model.", "body.model")
-        except _LineRejected as exc:
-            errors.append(BatchLineError(exc.code, exc.message, exc.param, index + 1))
-            continue
-        seen.add(line.custom_id)
-        model = model or line.model
-        lines.append(line)
-    return errors[:max_errors] if errors else lines
+    if len(data) > MAX_BATCH_FILE_BYTES:  # checked before anything is parsed
+        return too_large(len(data))
+    scanner = InputScanner(endpoint, max_errors)
+    scanned = scanner.feed(data) + scanner.finish()
+    return scanner.errors() or [line for line, _start, _end in scanned]
 
 
 def _failed(error: BatchLineError) -> list[BatchLineError]:
     return [error]
+
+
+def too_large(num_bytes: int) -> list[BatchLineError]:
+    """The errors of a file of ``num_bytes`` over MAX_BATCH_FILE_BYTES (known from its size: nothing is read)."""
+    return _failed(BatchLineError("file_too_large", f"The file is {num_bytes} bytes; a batch input file may have "
+                                  f"at most {MAX_BATCH_FILE_BYTES}."))
+
+
+def sendable_line(index: int, raw: bytes) -> BatchLine:
+    """A line validated before, read back to be sent: its body is sent as the file has it (not re-encoded)."""
+    sent = _sendable.decode(raw)
+    return BatchLine(index, sent.custom_id, _decoder.decode(sent.body), bytes(sent.body))
 
 
 def _parse_line(index: int, raw: bytes, endpoint: str) -> BatchLine:

@@ -2,7 +2,8 @@
 (dispatch.py).
 
     unfinished job (store) --resume--> read its results back (streams.py): lines already ended are skipped
-    dispatcher.next(free slots) --> BatchLineRequest on <ns>.batch.line (any edge) --> BatchLineReply
+    dispatcher.next(free slots), while still_leader() --> the line read from its input's spool (input.py) -->
+        BatchLineRequest on <ns>.batch.line (any edge) --> BatchLineReply
         200 / 4xx (not 429)      the line ended: its result on the results stream (once per line), counted
         429 rate limit, 503      capacity is busy: the line waits (retry_s, doubling to retry_max_s), then again
         429 preempted            admission took its capacity back for interactive traffic: again at once (its
@@ -30,6 +31,7 @@ import msgspec
 from services.batch import tracing
 from services.batch.config import BatchConfig
 from services.batch.dispatch import Dispatcher
+from services.batch.input import JobInput
 from services.batch.job import Action, BatchJob, CancelRefused, Finalize, StopDispatch
 from services.batch.lines import BatchLine, error_line, output_line
 from services.batch.streams import publish_result, read_results
@@ -44,10 +46,10 @@ RETRY_STATUSES = (429, 503)
 
 @dataclass(slots=True)
 class JobRun:
-    """One job in progress on this replica: its state machine, its lines, what is in flight."""
+    """One job in progress on this replica: its state machine, its input (lines read when sent), what is in flight."""
 
     job: BatchJob
-    lines: list[BatchLine]
+    input: JobInput
     in_flight: set[int] = field(default_factory=set)
     tries: dict[int, int] = field(default_factory=dict)
     unfinished: frozenset[int] = frozenset()  # the Finalize's lines never answered: error lines, whatever comes
@@ -67,8 +69,10 @@ def line_run_id(line_id: str) -> str:
 
 class Runner:
     def __init__(self, bus: Bus, files: FileStore, config: BatchConfig,
-                 save: Callable[[BatchJobRecord], Awaitable[BatchJobRecord]]) -> None:
+                 save: Callable[[BatchJobRecord], Awaitable[BatchJobRecord]],
+                 still_leader: Callable[[], bool] = lambda: True) -> None:
         self.bus, self.files, self.config, self.save = bus, files, config, save
+        self.still_leader = still_leader  # checked before each dispatch: a deposed leader sends nothing more
         self.runs: dict[str, JobRun] = {}
         self.dispatcher = Dispatcher(config.dispatch_order)
         self.stats = {"lines_sent": 0, "lines_ok": 0, "lines_failed": 0, "retried": 0, "preempted": 0}
@@ -78,16 +82,17 @@ class Runner:
         self._running = False  # the loop runs while set: on Python 3.11 wait_for can swallow a cancel
 
     # ------------------------------------------------------------ jobs in
-    async def add(self, job: BatchJob, lines: list[BatchLine]) -> None:
+    async def add(self, job: BatchJob, job_input: JobInput) -> None:
         """A job to run (new, or resumed after a restart: lines with a result already are not run again)."""
         record = job.record
         ended = await read_results(self.bus, record.team, record.id)
         for index, result in ended.items():
             job.line_ended(index, result.ok, time.time())
-        run = JobRun(job, lines)
+        run = JobRun(job, job_input)
         self.runs[record.id] = run
-        todo = [line for line in lines if line.index not in ended]
-        self.dispatcher.add_job(record.id, record.expires_at, record.created_at, todo)
+        paths = job_input.take_paths()
+        todo = [index for index in range(len(job_input)) if index not in ended]
+        self.dispatcher.add_paths(record.id, record.expires_at, record.created_at, todo, [paths[i] for i in todo])
         await self._saved(run)
         self._wake.set()
 
@@ -125,6 +130,8 @@ class Runner:
             self._loop_task.cancel()
             await asyncio.wait([self._loop_task], timeout=5)
         await cancel_and_wait(*self._tasks)
+        for run in self.runs.values():
+            run.input.close()
 
     async def _loop(self) -> None:
         while self._running:
@@ -142,12 +149,14 @@ class Runner:
         for run in list(self.runs.values()):
             self._carry_out(run, run.job.tick(now))  # its deadline may have passed: nothing more is sent
         free = self.config.max_in_flight - sum(len(r.in_flight) for r in self.runs.values())
+        if not self.still_leader():  # its key may have lapsed: another replica may be sending these lines
+            free = 0  # (no await between this check and the sends below)
         for job_id, index in self.dispatcher.next(max(0, free), now):
             run = self.runs.get(job_id)
             if run is None or not run.job.line_started(index):  # cancelled, expired, or it ran already
                 continue
             run.in_flight.add(index)
-            self._spawn(self._run_line(run, run.lines[index]))  # parse_input: line i at position i
+            self._spawn(self._read_and_run(run, index))
         for run in list(self.runs.values()):
             if run.job.needs_finalize and not run.in_flight:
                 await self._finalize(run, now)
@@ -160,6 +169,19 @@ class Runner:
         task.add_done_callback(self._tasks.discard)
 
     # ------------------------------------------------------------ one line
+    async def _read_and_run(self, run: JobRun, index: int) -> None:
+        try:
+            line = await run.input.read(index)
+        except Exception:  # the spool unreadable (its disk): the line waits, as one refused for capacity
+            log.exception("batch %s: line %d could not be read back", run.job.record.id, index)
+            run.in_flight.discard(index)
+            self._carry_out(run, run.job.line_deferred(index, time.time()))
+            if run.job.may_dispatch:
+                self.dispatcher.defer(run.job.record.id, index, time.time() + self.config.retry_max_s)
+            self._wake.set()
+            return
+        await self._run_line(run, line)
+
     async def _run_line(self, run: JobRun, line: BatchLine) -> None:
         record = run.job.record
         request = BatchLineRequest(job_id=record.id, team=record.team, key_prefix=record.key_prefix,
@@ -219,12 +241,11 @@ class Runner:
         await self._saved(run)
         results = await read_results(self.bus, record.team, record.id)
         reason = run.job.unfinished_code or "batch_failed"
-        for line in run.lines:  # as the job counted them: a late answer of an unfinished line is not output
-            if line.index in run.unfinished:
-                result = BatchLineResult(job_id=record.id, line_index=line.index, custom_id=line.custom_id,
-                                         error_code=reason, error_message=run.job.unfinished_message)
-                await publish_result(self.bus, record.team, result)  # kept if none came before (first wins)
-                results[line.index] = result
+        for index in sorted(run.unfinished):  # as the job counted them: a late answer of one is not output
+            result = BatchLineResult(job_id=record.id, line_index=index, custom_id=run.input.custom_ids[index],
+                                     error_code=reason, error_message=run.job.unfinished_message)
+            await publish_result(self.bus, record.team, result)  # kept if none came before (first wins)
+            results[index] = result
         output, errors_out = bytearray(), bytearray()
         for index in sorted(results):
             result = results[index]
@@ -244,6 +265,7 @@ class Runner:
         await self._saved(run)
         tracing.record_job(run.job.record, time.time())
         del self.runs[record.id]
+        run.input.close()
         self.dispatcher.drop_job(record.id)
         log.info("batch %s of %s: %s (%s)", record.id, record.team, run.job.record.status,
                  run.job.record.request_counts)

@@ -8,11 +8,17 @@ ledger database, run line by line on idle capacity (runner.py), billed once per 
 
 One replica at a time runs jobs and answers (leader election on the ``<ns>_batch`` bucket, as admission's);
 another takes over within ``leader_ttl_s`` and resumes every unfinished job from the database and the results
-stream: no line ends twice in the output, none is billed twice (its request id is its own for good).
+stream, one job at a time in the background (each input streamed again, input.py): no line ends twice in the
+output, none is billed twice (its request id is its own for good).
+
+A team may have ``max_jobs_per_team`` unfinished jobs, of ``max_input_bytes_per_team`` input bytes in all; a job
+past either is refused (429, ``batch_limit_exceeded`` / ``batch_bytes_limit_exceeded``, in the words of OpenAI's
+enqueued limits; a bus submission refused so is a failed job saying why).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -23,13 +29,15 @@ from nats.aio.msg import Msg
 from services.admission.leader import Leadership
 from services.batch import store, tracing
 from services.batch.config import BatchConfig
+from services.batch.input import JobInput, load_input
 from services.batch.job import BatchJob
-from services.batch.lines import parse_input
+from services.batch.lines import too_large
 from services.batch.runner import Runner
 from services.batch.streams import ensure_batch_streams
 from services.batch.submissions import SubmissionConsumer
 from services.metering.db import create_engine, database_url, wait_for_schema
 from shared.batch_schema import (
+    MAX_BATCH_FILE_BYTES,
     TERMINAL_STATUSES,
     BatchApiReply,
     BatchApiRequest,
@@ -42,6 +50,7 @@ from shared.bus import Bus
 from shared.files import FileNotFound, FileStore, ensure_files_bucket
 from shared.kv_cas import ensure_bucket
 from shared.metrics import service_registry
+from shared.tasks import cancel_and_wait
 from shared.telemetry import traced
 
 log = logging.getLogger("infermesh.batch")
@@ -61,7 +70,7 @@ class BatchService:
         self.replica_id = config.batch_id or f"b-{uuid.uuid4().hex[:8]}"
         self.engine = create_engine(database_url(config.database_url))
         self.files = FileStore(bus)
-        self.runner = Runner(bus, self.files, config, self._save)
+        self.runner = self._new_runner()
         self.submissions = SubmissionConsumer(bus, config, self._submitted, self._poisoned)
         self.metrics = service_registry("infermesh_batch", self._stats, lambda: {
             "leader": float(self.leadership.is_leader), "jobs_running": len(self.runner.runs),
@@ -70,6 +79,8 @@ class BatchService:
         self.leadership = Leadership(bus, bus.subjects.batch_bucket, self.replica_id, config.leader_ttl_s,
                                      self._elected, self._deposed, service="batch")
         self._subs: list = []
+        self._resuming: asyncio.Task[None] | None = None
+        self._admitting = asyncio.Lock()  # a team's caps are checked and its job created as one step
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -90,8 +101,8 @@ class BatchService:
             self._subs.append(await self.bus.subscribe(self.bus.subjects.batch_api(operation), BatchApiRequest,
                                                        self._api(operation)))
         await self.runner.start()
-        for record in await store.unfinished_jobs(self.engine):
-            await self._resume(record)
+        unfinished = await store.unfinished_jobs(self.engine)
+        self._resuming = asyncio.create_task(self._resume_all(unfinished), name="batch-resume")
         await self.submissions.start()
 
     async def _deposed(self) -> None:
@@ -99,8 +110,12 @@ class BatchService:
             await sub.unsubscribe()
         self._subs.clear()
         await self.submissions.stop()
+        await cancel_and_wait(self._resuming)
         await self.runner.stop()
-        self.runner = Runner(self.bus, self.files, self.config, self._save)
+        self.runner = self._new_runner()
+
+    def _new_runner(self) -> Runner:
+        return Runner(self.bus, self.files, self.config, self._save, lambda: self.leadership.still_leader())
 
     def _stats(self) -> dict[str, int]:
         return {**self.runner.stats, **self.submissions.stats}
@@ -173,7 +188,6 @@ class BatchService:
         if window not in WINDOW_S:
             raise ApiRefusal(400, "completion_window must be '24h'.", "completion_window", "invalid_value")
         try:
-            data = await self.files.content(team, input_file_id)
             info = await self.files.get(team, input_file_id)
         except FileNotFound:
             raise ApiRefusal(404, f"No file found with id '{input_file_id}'.", "input_file_id", "not_found") from None
@@ -188,35 +202,79 @@ class BatchService:
                                 completion_window=window, source=source, created_at=now,  # type: ignore[arg-type]
                                 expires_at=now + (self.config.completion_window_s or WINDOW_S[window]),
                                 metadata=metadata)
-        record, created = await store.create_job(self.engine, record, submit_id)
+        async with self._admitting:
+            existing = await store.get_job(self.engine, team, job_id) if submit_id else None
+            if existing is not None:  # the same submission again: the job it made
+                return existing
+            await self._within_team_caps(team, info.bytes)
+            record, created = await store.create_job(self.engine, record, submit_id)
         if not created:  # the same submission again: the job it made
             return record
-        return await self._validate(BatchJob(record), data)
+        return await self._validate(BatchJob(record), info.bytes)
 
-    async def _validate(self, job: BatchJob, data: bytes) -> BatchJobRecord:
-        parsed = parse_input(data, job.record.endpoint)
+    async def _within_team_caps(self, team: str, input_bytes: int) -> None:
+        """ApiRefusal (429) if one more job of ``input_bytes`` would pass the team's caps."""
+        unfinished = await store.unfinished_jobs(self.engine, team)
+        limit = self.config.max_jobs_per_team
+        if len(unfinished) >= limit:
+            raise ApiRefusal(429, f"Enqueued batch limit reached for team {team}. Limit: {limit:,} unfinished "
+                             "batches. Please try again once some in_progress batches have been completed.", None,
+                             "batch_limit_exceeded")
+        used, limit = 0, self.config.max_input_bytes_per_team
+        for record in unfinished:
+            try:
+                used += (await self.files.get(team, record.input_file_id)).bytes
+            except FileNotFound:  # deleted: the job fails when it is read again; it holds no bytes
+                continue
+        if used + input_bytes > limit:
+            raise ApiRefusal(429, f"Enqueued input limit reached for team {team}. Limit: {limit:,} bytes of input "
+                             f"in unfinished batches ({used:,} enqueued, this file {input_bytes:,}). Please try "
+                             "again once some in_progress batches have been completed.", "input_file_id",
+                             "batch_bytes_limit_exceeded")
+
+    async def _read_input(self, record: BatchJobRecord, num_bytes: int) -> JobInput | list[BatchLineError]:
+        """The job's input streamed off the event loop (input.py), or why it is refused."""
+        if num_bytes > MAX_BATCH_FILE_BYTES:  # known from its size: nothing is read
+            return too_large(num_bytes)
+        try:
+            return await load_input(self.files.chunks(record.team, record.input_file_id), record.endpoint,
+                                    self.config.spool_dir)
+        except FileNotFound:
+            return [BatchLineError("file_not_found", "the input file is gone", "input_file_id")]
+
+    async def _validate(self, job: BatchJob, num_bytes: int) -> BatchJobRecord:
+        loaded = await self._read_input(job.record, num_bytes)
         now = time.time()
-        if parsed and isinstance(parsed[0], BatchLineError):
-            job.invalid(parsed, now)  # type: ignore[arg-type]
+        if isinstance(loaded, list):
+            job.invalid(loaded, now)
             saved = await self._save(job.record)
             tracing.record_job(saved, now)
             return saved
-        job.validated(parsed[0].model, len(parsed), now)  # type: ignore[union-attr]
-        await self.runner.add(job, parsed)  # type: ignore[arg-type]
+        job.validated(loaded.model, len(loaded), now)
+        await self.runner.add(job, loaded)
         return job.record
+
+    async def _resume_all(self, records: list[BatchJobRecord]) -> None:
+        """A new leader's unfinished jobs, one at a time in the background (the API answers meanwhile)."""
+        for record in records:
+            try:
+                await self._resume(record)
+            except Exception:  # the others are still resumed; this one again at the next election
+                log.exception("batch %s of %s could not be resumed", record.id, record.team)
 
     async def _resume(self, record: BatchJobRecord) -> None:
         try:
-            data = await self.files.content(record.team, record.input_file_id)
+            num_bytes = (await self.files.get(record.team, record.input_file_id)).bytes
         except FileNotFound:
-            job = BatchJob(record)
-            job.invalid([BatchLineError("file_not_found", "the input file is gone", "input_file_id")], time.time())
-            await self._save(job.record)
-            return
+            num_bytes = 0  # _read_input says the file is gone
         if record.status == "validating":
-            await self._validate(BatchJob(record), data)
+            await self._validate(BatchJob(record), num_bytes)
             return
-        await self.runner.add(BatchJob(record), parse_input(data, record.endpoint))  # type: ignore[arg-type]
+        loaded = await self._read_input(record, num_bytes)
+        if isinstance(loaded, list):  # its input is gone (or changed): it cannot go on
+            log.error("batch %s of %s cannot be resumed: %s", record.id, record.team, loaded[0].message)
+            return
+        await self.runner.add(BatchJob(record), loaded)
         log.info("batch %s of %s resumed (%s)", record.id, record.team, record.request_counts)
 
     # ------------------------------------------------------------ the bus way in (submissions.py consumes)

@@ -167,9 +167,12 @@ async def save_job(engine: AsyncEngine, record: BatchJobRecord) -> bool:
         return (await conn.execute(stmt)).rowcount == 1
 
 
-async def unfinished_jobs(engine: AsyncEngine) -> list[BatchJobRecord]:
-    """Every team's jobs not in a terminal status, oldest first: what a restarted batch service resumes."""
+async def unfinished_jobs(engine: AsyncEngine, team: str | None = None) -> list[BatchJobRecord]:
+    """Every team's (or ``team``'s) jobs not in a terminal status, oldest first: what a restarted batch service
+    resumes, and what a team's job caps count."""
+    query = select(TABLE).where(BatchJob.status.not_in(sorted(TERMINAL_STATUSES)))
+    if team is not None:
+        query = query.where(BatchJob.team == team)
     async with engine.connect() as conn:
-        rows = (await conn.execute(select(TABLE).where(BatchJob.status.not_in(sorted(TERMINAL_STATUSES)))
-                                   .order_by(BatchJob.created_at, BatchJob.id))).mappings().all()
+        rows = (await conn.execute(query.order_by(BatchJob.created_at, BatchJob.id))).mappings().all()
     return [_record(row) for row in rows]

@@ -7,6 +7,9 @@ error ended it for good, every later submission waited in the stream, and neithe
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
 import msgspec
 import pytest
 
@@ -22,23 +25,32 @@ pytestmark = pytest.mark.integration
 LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m"}}\n'
 
 
-@pytest.fixture
-async def batch(nats_url, namespace, ledger_url):
+@asynccontextmanager
+async def leading_batch(nats_url: str, namespace: str, ledger_url: str, **options) -> AsyncIterator[BatchService]:
+    """A batch service alone (no edge: its lines wait, refused for capacity), leading."""
     bus = await Bus.connect(nats_url, namespace, "batch-0")
     config = BatchConfig(nats_url=nats_url, namespace=namespace, database_url=ledger_url, tick_s=0.05,
-                         submit_retry_s=0.05, submit_max_deliveries=3, submit_restart_s=0.05)
+                         submit_retry_s=0.05, submit_max_deliveries=3, submit_restart_s=0.05, **options)
     service = BatchService(bus, config)
-    await service.start()
-    await eventually(lambda: service.leadership.is_leader and service.submissions.up, 10)
-    yield service
-    await service.stop()
-    await bus.close()
+    try:
+        await service.start()
+        await eventually(lambda: service.leadership.is_leader and service.submissions.up, 10)
+        yield service
+    finally:
+        await service.stop()
+        await bus.close()
 
 
-async def submit(service: BatchService, team: str, submit_id: str) -> str:
+@pytest.fixture
+async def batch(nats_url, namespace, ledger_url):
+    async with leading_batch(nats_url, namespace, ledger_url) as service:
+        yield service
+
+
+async def submit(service: BatchService, team: str, submit_id: str, lines: bytes = LINE) -> str:
     s = service.bus.subjects
     await service.bus.js.publish(s.batch_submit(team), msgspec.json.encode(BatchSubmit(endpoint="/v1/chat/completions",
-                                                                                       lines=LINE)),
+                                                                                       lines=lines)),
                                  stream=s.batch_submit_stream, headers={"Nats-Msg-Id": submit_id})
     return job_id_for(team, submit_id)
 
