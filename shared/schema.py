@@ -294,7 +294,8 @@ Count = Annotated[int, Meta(ge=0, le=MAX_COUNT)]
 
 
 class UsageEvent(Struct, frozen=True):
-    """One billed attempt, published by the edge on the usage stream (dedupe id ``<request_id>:<attempt>``).
+    """One billed attempt, published by the edge on the usage stream (dedupe id ``<request_id>:<attempt>``, and
+    ``:<run_id>`` for a batch line's run).
 
     Published for every request that finished, was cancelled by its client, or failed after tokens;
     a request that failed before any token is not billed. The counts are those the client was told
@@ -323,6 +324,9 @@ class UsageEvent(Struct, frozen=True):
     deployment: Annotated[str, Meta(max_length=MAX_DEPLOYMENT)] = ""  # where its first token came from
     batch_id: Annotated[str, Meta(max_length=MAX_BATCH_ID)] = ""  # the batch job of this line ("": interactive)
     trajectory: Annotated[str, Meta(max_length=MAX_TRAJECTORY)] = ""  # the agent run's session id ("": none named)
+    # a batch line's run (BatchLineRequest.run_id; "": not a line): in the dedupe id, so a later run's usage is not
+    # taken for a redelivery of an earlier one's (the ledger keeps one row per line, the finished run's)
+    run_id: Annotated[str, Meta(max_length=MAX_REQUEST_ID)] = ""
 
 
 class ApiKeyRecord(Struct, frozen=True):
@@ -411,6 +415,7 @@ class BillingContext(Struct, frozen=True, kw_only=True):
     migration_prefill_tokens: Count = 0  # what the migrations so far recomputed (this attempt's included)
     batch_id: Annotated[str, Meta(max_length=MAX_BATCH_ID)] = ""  # the batch job of a line (its batch price)
     trajectory: Annotated[str, Meta(max_length=MAX_TRAJECTORY)] = ""  # the agent run's session id (UsageEvent's)
+    run_id: Annotated[str, Meta(max_length=MAX_REQUEST_ID)] = ""  # a batch line's run (UsageEvent's)
 
 
 class SignedBilling(Struct, frozen=True):

@@ -70,7 +70,9 @@ async def _ensure_stream(bus: Bus, name: str, subject: str, max_age_s: float, ma
 
 
 def dedupe_id(event: UsageEvent) -> str:
-    return f"{event.request_id}:{event.attempt}"
+    """``<request_id>:<attempt>``; a batch line's run's usage adds ``:<run_id>``: the runs of a line share its
+    request id, and a later run's (finished) usage within the duplicate window is not a redelivery."""
+    return f"{event.request_id}:{event.attempt}" + (f":{event.run_id}" if event.run_id else "")
 
 
 class UsagePublisher:

@@ -160,12 +160,14 @@ class EdgeApi:
         billing = BillingContext(request_id=billing_id, attempt=0, team=caller.team, key_prefix=caller.key_prefix,
                                  model=model, request_class=klass, worker_id="", trace_id=trace_id,
                                  created_at=arrived, batch_id=request.batch_id,
+                                 run_id=request_id if request.line_id else "",
                                  trajectory=hints.session_id or "")  # signed per attempt: billed if we die
         run = self.mesh.new_run(request_id, model, prompt_ids, params, tokenizer, prepared.stop, billing, hints,
                                 self._max_migrations(request))
         run.lease_deployment = lease[0].name if lease is not None else ""
         bill = _Bill(billing_id, caller, model, arrived, lease, asyncio.get_running_loop().create_future(),
                      run.usage_so_far, trace_id, request.batch_id, span=span, trajectory=hints.session_id or "",
+                     run_id=billing.run_id,
                      entry=self.mesh.usage.open(), delivered=lambda: delivered_usage(run))
         events = tracing.in_span(_then(self._revocable(self.mesh.generate(run, bill.settle), klass, bill),
                                        lambda: self._spawn_bill(bill)), span)
@@ -234,7 +236,8 @@ class EdgeApi:
             usage.status, usage.finish_reason, usage.prompt_tokens, usage.cached_tokens,  # type: ignore[arg-type]
             usage.completion_tokens, round(usage.ttft_ms, 3), round(1000 * (time.time() - bill.arrived), 3),
             usage.worker_id, usage.prefill_worker_id, bill.trace_id, bill.arrived, usage.migrations,
-            usage.migration_prefill_tokens, usage.deployment or self.mesh.local.name, bill.batch_id, bill.trajectory)
+            usage.migration_prefill_tokens, usage.deployment or self.mesh.local.name, bill.batch_id, bill.trajectory,
+            bill.run_id)
 
     def _checkpoint(self, bill: _Bill) -> None:
         """A running stream's delivered usage into the outbox (at its first token, then every 0.5 s): what the
@@ -433,6 +436,7 @@ class _Bill:
     first_token_at: float = 0.0  # when its first token reached the edge (0: none did)
     ended_at: float = 0.0  # when its run settled
     trajectory: str = ""  # the agent run it belongs to (services/edge/sessions.py)
+    run_id: str = ""  # a batch line's run (its usage's dedupe id names it): "" for any other request
     entry: int = 0  # its usage outbox entry (shared/usage_outbox.py)
     delivered: Callable[[], Usage] | None = None  # what a stream delivered so far (its outbox checkpoints)
     clock: CheckpointClock = field(default_factory=CheckpointClock)

@@ -76,7 +76,7 @@ def orphan_usage_event(report: OrphanUsage, context: BillingContext, deployment:
         report.num_prompt_tokens, min(cached, report.num_prompt_tokens), completion,
         round(report.ttft_ms, 3), round(duration_ms, 3), context.worker_id, context.prefill_worker_id,
         context.trace_id, context.created_at, context.migrations, context.migration_prefill_tokens, deployment,
-        context.batch_id, context.trajectory)
+        context.batch_id, context.trajectory, context.run_id)
 
 
 class OrphanBiller:
