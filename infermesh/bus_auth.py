@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from infermesh.bus_roles import Role, buckets, permissions
+from infermesh.bus_roles import Account, Role, account_permissions, buckets, store_user
 from infermesh.private_files import data_dir, write_private
 from infermesh.processes import ProcessGroup
 from infermesh.team_bus_users import load_team_secrets, record_running, server_users
@@ -72,27 +72,24 @@ def admin_credentials(folder: Path | None = None) -> NatsCredentials:
     if env.user or env.creds_file or not path.exists():
         return env
     return NatsCredentials(Role.ADMIN.value, json.loads(path.read_text())[Role.ADMIN.value], tls_ca=env.tls_ca,
-                           tls_cert=env.tls_cert, tls_key=env.tls_key)
+                           tls_cert=env.tls_cert, tls_key=env.tls_key, store_user=store_user(Role.ADMIN.value))
 
 
 def role_credentials(role: Role, secrets: dict[Role, str], tls: TlsFiles | None = None) -> NatsCredentials:
-    return NatsCredentials(role.value, secrets[role], tls_ca=tls.ca if tls else "")
+    return NatsCredentials(role.value, secrets[role], tls_ca=tls.ca if tls else "", store_user=store_user(role.value))
 
 
 def server_config(port: int, store_dir: Path, subjects: Subjects, secrets: dict[Role, str],
                   tls: TlsFiles | None = None, host: str = "127.0.0.1",
                   team_secrets: Mapping[str, str] | None = None, pid_file: Path | None = None) -> dict[str, object]:
-    """A nats-server config (JSON is valid config syntax): JetStream, one user per role and per team that has a
-    bus user (infermesh/team_bus_users.py), TLS if given."""
+    """A nats-server config (JSON is valid config syntax): JetStream, the two accounts (``server_accounts``: a
+    user per role in each, and one per team that has a bus user, infermesh/team_bus_users.py), TLS if given."""
     config: dict[str, object] = {
         "listen": f"{host}:{port}",
         "max_payload": MAX_PAYLOAD_BYTES,  # a long prompt's generate request (shared/bus_limits.py)
         # every stream's max_bytes is reserved inside it (shared/storage_caps.py): nats' default is 75% of the disk
         "jetstream": {"store_dir": str(store_dir), "max_file_store": max_file_store()},
-        "authorization": {"users": [
-            *({"user": role.value, "password": secrets[role],
-               "permissions": permissions(role, subjects).server_block()} for role in Role),
-            *server_users(subjects, team_secrets or {})]},
+        "accounts": server_accounts(subjects, secrets, team_secrets or {}),
     }
     if pid_file is not None:
         config["pid_file"] = str(pid_file)
@@ -100,6 +97,19 @@ def server_config(port: int, store_dir: Path, subjects: Subjects, secrets: dict[
         config["tls"] = {"cert_file": tls.cert, "key_file": tls.key, **({"ca_file": tls.ca} if tls.ca else {}),
                          "timeout": 5}
     return config
+
+
+def server_accounts(subjects: Subjects, secrets: Mapping[Role, str],
+                    team_secrets: Mapping[str, str]) -> dict[str, dict[str, object]]:
+    """The config's ``accounts``: MESH (no JetStream: core traffic) holds each role's user; STORE (JetStream only)
+    holds each role's ``<role>@store`` user, same password, and the teams' users (infermesh/bus_roles.py)."""
+    def users(account: Account) -> list[dict[str, object]]:
+        return [{"user": role.value if account is Account.MESH else store_user(role.value), "password": secrets[role],
+                 "permissions": account_permissions(role, subjects, account).server_block()} for role in Role]
+
+    return {Account.MESH.value: {"users": users(Account.MESH)},
+            Account.STORE.value: {"jetstream": "enabled",
+                                  "users": [*users(Account.STORE), *server_users(subjects, team_secrets)]}}
 
 
 def nats_url(port: int, tls: TlsFiles | None, host: str = "127.0.0.1") -> str:

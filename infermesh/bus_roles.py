@@ -78,6 +78,16 @@ ALWAYS_DENIED = (f"{JS}.STREAM.UPDATE.>", f"{JS}.STREAM.DELETE.>", f"{JS}.STREAM
 RESPONSE_WINDOW = "5m"  # how long a received request may still be answered (admission queues up to ~wait_s)
 
 
+class Account(enum.StrEnum):
+    """The locked server's two NATS accounts (see the module docstring): core traffic, and JetStream."""
+
+    MESH = "MESH"
+    STORE = "STORE"
+
+
+STORE_USER_SUFFIX = "@store"  # a role's user in STORE: <role>@store (same password as its MESH user)
+
+
 class Role(enum.StrEnum):
     EDGE = "edge"
     ROUTER = "router"
@@ -246,6 +256,33 @@ def permissions(role: Role, subjects: Subjects) -> Permissions:
         deny_subscribe=() if role is Role.EDGE else (f"{subjects.namespace}.stream.>",),
         responds=responds,
     )
+
+
+def store_user(user: str) -> str:
+    return f"{user}{STORE_USER_SUFFIX}"
+
+
+def in_store(subject: str, s: Subjects) -> bool:
+    """Whether a subject (or pattern) belongs to STORE: the JetStream API, KV and object store subjects, and the
+    subjects a stream captures; everything else is MESH's core traffic."""
+    ns = s.namespace
+    return (subject.startswith(("$JS.", "$KV.", "$O.")) or subject in (s.usage, s.usage_dead_letters)
+            or subject.startswith((f"{ns}.orphans.", f"{ns}.batch.submit.", f"{ns}.batch.results.",
+                                   f"{ns}.batch.events.")))
+
+
+def account_permissions(role: Role, subjects: Subjects, account: Account) -> Permissions:
+    """The part of ``permissions`` that applies in ``account``: MESH, the core subjects (and answering requests);
+    STORE, JetStream, with replies on the store user's own inbox only. The denials go to both."""
+    whole = permissions(role, subjects)
+    ours = (lambda subject: in_store(subject, subjects)) if account is Account.STORE else (
+        lambda subject: not in_store(subject, subjects))
+    inbox = f"{INBOX}.{store_user(role.value)}.>" if account is Account.STORE else f"{INBOX}.{role.value}.>"
+    return Permissions(
+        publish=tuple(p for p in whole.publish if ours(p)),
+        subscribe=(inbox, *(p for p in whole.subscribe[1:] if ours(p))),
+        deny_publish=whole.deny_publish, deny_subscribe=whole.deny_subscribe,
+        responds=whole.responds and account is Account.MESH)
 
 
 def team_user(team: str) -> str:

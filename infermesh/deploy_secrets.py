@@ -9,11 +9,14 @@
 
 | folder            | what                                                   | mounted into (volume subpath)   |
 |-------------------|--------------------------------------------------------|---------------------------------|
-| ``nats/``         | ``nats.json``: the server config, a user per role      | nats                            |
+| ``nats/``         | ``nats.json``: the server config, its two accounts     | nats                            |
+|                   | (MESH, STORE: ``infermesh/bus_roles.py``), a user per  |                                 |
+|                   | role in each                                           |                                 |
 | ``postgres/``     | ``password`` (0644: the postgres image reads it as its | postgres                        |
 |                   | own user)                                              |                                 |
 | ``<service>/``    | one file per environment variable the service gets:    | that service                    |
-|                   | ``INFERMESH_NATS_USER`` / ``_PASSWORD`` (its role),    |                                 |
+|                   | ``INFERMESH_NATS_USER`` / ``_STORE_USER`` /            |                                 |
+|                   | ``_PASSWORD`` (its role),                              |                                 |
 |                   | the ledger's ``INFERMESH_DATABASE_URL`` (metering,     |                                 |
 |                   | batch), ``INFERMESH_DEV_KEY`` and                      |                                 |
 |                   | ``INFERMESH_EDGE_SECRET`` (edge)                       |                                 |
@@ -36,7 +39,7 @@ import sys
 from pathlib import Path
 
 from infermesh.bus_auth import load_or_create_secrets, provision, server_config
-from infermesh.bus_roles import Role
+from infermesh.bus_roles import Role, store_user
 from infermesh.private_files import write_private
 from shared.nats_auth import NatsCredentials
 from shared.subjects import Subjects
@@ -75,7 +78,7 @@ def init(folder: Path, namespace: str = "im", nats_listen: str = "0.0.0.0:4222",
     key, made = _read_or_make(folder / API_KEY_FILE, api_key)
     edge_secret, _ = _read_or_make(folder / "edge-secret")
     for service, role in SERVICES.items():
-        env = {"INFERMESH_NATS_USER": role.value, "INFERMESH_NATS_PASSWORD": roles[role]}
+        env = role_env(role, roles)
         if service in LEDGER_USERS:
             env["INFERMESH_DATABASE_URL"] = f"postgresql://postgres:{db_password}@{database}"
         if service == "edge":
@@ -83,6 +86,12 @@ def init(folder: Path, namespace: str = "im", nats_listen: str = "0.0.0.0:4222",
         for name, value in env.items():
             write_private(folder / service / name, value)
     return key if made else None
+
+
+def role_env(role: Role, roles: dict[Role, str]) -> dict[str, str]:
+    """A service's NATS variables: its role's user in MESH, its user in STORE, their password."""
+    return {"INFERMESH_NATS_USER": role.value, "INFERMESH_NATS_STORE_USER": store_user(role.value),
+            "INFERMESH_NATS_PASSWORD": roles[role]}
 
 
 def env_of(folder: Path) -> dict[str, str]:
@@ -93,8 +102,8 @@ def env_of(folder: Path) -> dict[str, str]:
 
 def k8s_secrets(folder: Path, namespace: str = "im", api_key: str = "") -> tuple[str, str | None]:
     """Kubernetes Secrets for deploy/k8s, from the secrets under ``folder`` (made there once, kept): the NATS
-    servers' users (``infermesh-nats-auth``, key ``auth.conf``, included by their config) and one Secret per
-    service, ``infermesh-<service>``, whose keys are its environment variables. The ledger's URL is not here:
+    servers' accounts and users (``infermesh-nats-auth``, key ``auth.conf``, included by their config) and one
+    Secret per service, ``infermesh-<service>``, whose keys are its environment variables. The ledger's URL is not here:
     Postgres is external (Secret ``infermesh-ledger``, key ``database-url``, made by the operator).
     Returns the manifests (YAML) and the API key if it was made now."""
     import yaml
@@ -103,10 +112,10 @@ def k8s_secrets(folder: Path, namespace: str = "im", api_key: str = "") -> tuple
     roles = load_or_create_secrets(folder / "roles")
     key, made = _read_or_make(folder / API_KEY_FILE, api_key)
     edge_secret, _ = _read_or_make(folder / "edge-secret")
-    users = server_config(4222, Path("/data"), Subjects(namespace), roles)["authorization"]
-    documents = [_secret("infermesh-nats-auth", {"auth.conf": f"authorization: {json.dumps(users)}\n"})]
+    accounts = server_config(4222, Path("/data"), Subjects(namespace), roles)["accounts"]
+    documents = [_secret("infermesh-nats-auth", {"auth.conf": f"accounts: {json.dumps(accounts)}\n"})]
     for service, role in SERVICES.items():
-        env = {"INFERMESH_NATS_USER": role.value, "INFERMESH_NATS_PASSWORD": roles[role]}
+        env = role_env(role, roles)
         if service == "edge":
             env |= {"INFERMESH_DEV_KEY": key, "INFERMESH_EDGE_SECRET": edge_secret}
         documents.append(_secret(f"infermesh-{service}", env))

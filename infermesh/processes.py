@@ -64,14 +64,24 @@ class ProcessGroup:
     bus_credentials: dict[str, NatsCredentials] = field(default_factory=dict)  # role -> credentials (locked bus)
     metrics_ports: dict[str, int] = field(default_factory=dict)  # child -> its Prometheus port (--metrics-port)
 
-    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+              credentials: NatsCredentials | None = None) -> Child:
+        """Start a child; given ``credentials``, it gets them (and only them) through a pipe it inherits and
+        reads at start (``shared/nats_auth.py``): none in its environment, whose ``INFERMESH_NATS_*`` secret
+        variables are emptied."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         log_file = open(log_path, "ab")
-        popen = subprocess.Popen(
-            argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent,
-        )
+        read_fd, pipe_env = credentials.pipe_to_child() if credentials is not None else (-1, {})
+        try:
+            popen = subprocess.Popen(
+                argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, **(env or {}), **pipe_env}, preexec_fn=_die_with_parent,
+                pass_fds=(read_fd,) if read_fd >= 0 else (),
+            )
+        finally:
+            if read_fd >= 0:
+                os.close(read_fd)
         log_file.close()
         child = Child(name, popen, log_path)
         self.children.append(child)
@@ -88,10 +98,10 @@ class ProcessGroup:
         return self.spawn("nats", [nats_server_binary(), "-c", str(config_path)])
 
     def python_service(self, name: str, module: str, args: list[str], env: dict[str, str]) -> Child:
-        """``python -m module``; on a locked bus it gets its role's credentials (``services.<role>``) in its env."""
-        credentials = self.bus_credentials.get(module.rpartition(".")[2])
-        return self.spawn(name, [sys.executable, "-m", module, *args],
-                          {**env, **credentials.env()} if credentials else env)
+        """``python -m module``; on a locked bus it gets its role's credentials (``services.<role>``) and only
+        those, through a pipe (``spawn``)."""
+        return self.spawn(name, [sys.executable, "-m", module, *args], env,
+                          self.bus_credentials.get(module.rpartition(".")[2]))
 
     def dead(self) -> list[Child]:
         return [c for c in self.children if not c.alive()]

@@ -21,6 +21,7 @@ from typing import Callable
 
 from infermesh.processes import Child, ProcessGroup
 from infermesh.restart_policy import Phase, Restart, RestartPolicy
+from shared.nats_auth import NatsCredentials
 
 POLL_S = 0.2  # how soon a death is seen
 
@@ -49,11 +50,12 @@ def exit_message(restart: Restart) -> str:
 class SupervisedGroup(ProcessGroup):
     """A ProcessGroup that remembers how it started each child, so that it can start it again."""
 
-    specs: dict[str, tuple[list[str], dict[str, str] | None]] = field(default_factory=dict)
+    specs: dict[str, tuple[list[str], dict[str, str] | None, NatsCredentials | None]] = field(default_factory=dict)
 
-    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
-        self.specs[name] = (list(argv), env)
-        return super().spawn(name, argv, env)
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+              credentials: NatsCredentials | None = None) -> Child:
+        self.specs[name] = (list(argv), env, credentials)
+        return super().spawn(name, argv, env, credentials)
 
     def respawn(self, name: str) -> Child:
         """Start ``name`` again as it first was, in its old place in ``children`` (the stop order holds).
@@ -63,8 +65,8 @@ class SupervisedGroup(ProcessGroup):
             os.killpg(self.children[index].popen.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        argv, env = self.specs[name]
-        child = super().spawn(name, argv, env)  # appended last
+        argv, env, credentials = self.specs[name]
+        child = super().spawn(name, argv, env, credentials)  # appended last; its credentials in a new pipe
         self.children[index] = self.children.pop()
         return child
 

@@ -46,12 +46,17 @@ class NoResponder(BusError):
 
 
 class Bus:
-    """A connected NATS client plus the namespace's subject names."""
+    """A connected NATS client plus the namespace's subject names.
 
-    def __init__(self, nc: NatsClient, subjects: Subjects) -> None:
+    On a locked bus (``infermesh/bus_roles.py``) a service holds two connections: ``nc`` in the MESH account for
+    core publish, subscribe and request, ``store`` in the STORE account for JetStream (``js``: streams, KV, object
+    stores), which no core traffic uses. On an open server (tests, dev) they are one connection."""
+
+    def __init__(self, nc: NatsClient, subjects: Subjects, store: NatsClient | None = None) -> None:
         self.nc = nc
+        self.store = store or nc
         self.subjects = subjects
-        self.js = nc.jetstream()
+        self.js = self.store.jetstream()
         self.refusals: deque[str] = deque(maxlen=100)  # the server's permission violations (Bus.connect fills it)
         self._reconnect: Callable[[str], Awaitable["Bus"]] | None = None
         # called after the client reconnected (NATS restarted, a network blip): what was in flight may be lost
@@ -63,57 +68,40 @@ class Bus:
             raise BusError("this bus was not made by Bus.connect: it cannot connect again")
         return await self._reconnect(name)
 
+    @property
+    def is_connected(self) -> bool:
+        return self.nc.is_connected and self.store.is_connected
+
     @classmethod
     async def connect(cls, url: str, namespace: str, name: str, credentials: NatsCredentials | None = None) -> "Bus":
         """Connect as ``credentials`` (default: the ``INFERMESH_NATS_*`` env vars, see ``shared/nats_auth.py``) to
         ``url``, or to any of a cluster's servers given comma-separated (the client learns the others from the one
-        it reaches, and moves to them when that one is lost).
+        it reaches, and moves to them when that one is lost); with a store user, a second connection as it.
 
         An unreachable server is retried forever; credentials or a certificate the server refuses raise
         BusError at once (retrying cannot help). Permission violations later are logged and kept, the
         newest last, in ``refusals``."""
         credentials = NatsCredentials.from_env() if credentials is None else credentials
         refusals: deque[str] = deque(maxlen=100)
-        refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
-
-        async def on_error(exc: Exception) -> None:
-            text = str(exc).lower()
-            if "authorization violation" in text or isinstance(exc, (nats.errors.AuthorizationError, ssl.SSLError)):
-                if not refused.done():
-                    refused.set_result(exc)
-            elif "permissions violation" in text:
-                refusals.append(str(exc))
-            log.warning("NATS (%s as %s): %s", name, credentials.user or "anonymous", exc)
-
         listeners: list[Callable[[], None]] = []
-
-        async def on_reconnected() -> None:
-            log.warning("NATS (%s): reconnected", name)
-            for listener in list(listeners):
-                listener()
-
-        nc = NatsClient()
-        servers = [u.strip() for u in url.split(",") if u.strip()]  # a cluster's seeds: "nats://a:4222,nats://b:4222"
-        connecting = asyncio.ensure_future(nc.connect(
-            servers if len(servers) > 1 else url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-            connect_timeout=5,
-            error_cb=on_error, reconnected_cb=on_reconnected, **credentials.connect_options(url)))
-        await asyncio.wait([connecting, refused], return_when=asyncio.FIRST_COMPLETED)
-        if not connecting.done():
-            connecting.cancel()
-            await asyncio.gather(connecting, return_exceptions=True)
-            await nc.close()
-            raise BusError(f"NATS at {url} refused {name} (user {credentials.user or 'none'}): {refused.result()}")
-        connecting.result()
-        bus = cls(nc, Subjects(namespace))
+        nc = await _open(url, name, credentials, refusals, listeners)
+        store = None
+        if credentials.store_user:
+            try:
+                store = await _open(url, f"{name}@store", credentials.store(), refusals, listeners)
+            except BaseException:
+                await nc.close()
+                raise
+        bus = cls(nc, Subjects(namespace), store)
         bus.refusals = refusals
         bus.on_reconnected = listeners
         bus._reconnect = lambda again: cls.connect(url, namespace, again, credentials)
         return bus
 
     async def close(self) -> None:
-        if not self.nc.is_closed:
-            await self.nc.drain()
+        for nc in dict.fromkeys((self.nc, self.store)):
+            if not nc.is_closed:
+                await nc.drain()
 
     async def publish(self, subject: str, message: Any, reply: str = "") -> None:
         await self.nc.publish(subject, schema.encode(message), reply=reply, headers=inject_headers())
@@ -159,6 +147,41 @@ class Bus:
             await self.nc.publish(raw.reply, schema.encode(message), headers=inject_headers())
         elif raw.reply:
             log.warning("not answering %s on %r: a reply goes to an inbox only", raw.subject, raw.reply)
+
+
+async def _open(url: str, name: str, credentials: NatsCredentials, refusals: deque[str],
+                listeners: list[Callable[[], None]]) -> NatsClient:
+    """One connection as ``credentials`` (see ``Bus.connect``); its refusals and reconnects go to the lists given."""
+    refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
+
+    async def on_error(exc: Exception) -> None:
+        text = str(exc).lower()
+        if "authorization violation" in text or isinstance(exc, (nats.errors.AuthorizationError, ssl.SSLError)):
+            if not refused.done():
+                refused.set_result(exc)
+        elif "permissions violation" in text:
+            refusals.append(str(exc))
+        log.warning("NATS (%s as %s): %s", name, credentials.user or "anonymous", exc)
+
+    async def on_reconnected() -> None:
+        log.warning("NATS (%s): reconnected", name)
+        for listener in list(listeners):
+            listener()
+
+    nc = NatsClient()
+    servers = [u.strip() for u in url.split(",") if u.strip()]  # a cluster's seeds: "nats://a:4222,nats://b:4222"
+    connecting = asyncio.ensure_future(nc.connect(
+        servers if len(servers) > 1 else url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+        connect_timeout=5,
+        error_cb=on_error, reconnected_cb=on_reconnected, **credentials.connect_options(url)))
+    await asyncio.wait([connecting, refused], return_when=asyncio.FIRST_COMPLETED)
+    if not connecting.done():
+        connecting.cancel()
+        await asyncio.gather(connecting, return_exceptions=True)
+        await nc.close()
+        raise BusError(f"NATS at {url} refused {name} (user {credentials.user or 'none'}): {refused.result()}")
+    connecting.result()
+    return nc
 
 
 async def stop_serving(subscriptions: list[Any], timeout_s: float = 5.0) -> None:

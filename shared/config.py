@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any, Mapping, Sequence, TypeVar
 
-from shared.nats_auth import NatsCredentials
+from shared.nats_auth import INHERITED, NatsCredentials
 
 ENV_PREFIX = "INFERMESH_"
 
@@ -34,14 +34,18 @@ class BusConfig:
     nats_tls_ca: str = ""
     nats_tls_cert: str = ""
     nats_tls_key: str = ""
+    nats_store_user: str = ""  # the role's user in the STORE account (JetStream); empty: one account (open server)
     # Prometheus /metrics and /health on a port of their own (shared/metrics.py): -1 none, 0 any free port. Not
     # on the API's port: the GenAI histograms carry team labels
     metrics_port: int = -1
     metrics_host: str = "127.0.0.1"
 
     def credentials(self) -> NatsCredentials:
+        """What this process inherited through its pipe (``infermesh up``), else these fields (env vars, flags)."""
+        if INHERITED is not None:
+            return INHERITED
         return NatsCredentials(self.nats_user, self.nats_password, self.nats_creds, self.nats_tls_ca,
-                               self.nats_tls_cert, self.nats_tls_key)
+                               self.nats_tls_cert, self.nats_tls_key, self.nats_store_user)
 
 
 def _base_type(annotation: Any) -> type:

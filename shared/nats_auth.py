@@ -1,17 +1,24 @@
 """How a process proves who it is to NATS and checks the server: a user and password or a creds file, and TLS.
 
-    credentials = NatsCredentials.from_env()    # INFERMESH_NATS_USER, _PASSWORD, _CREDS, _TLS_CA, _TLS_CERT, _TLS_KEY
-    nc = await nats.connect(url, **credentials.connect_options(url))
+    credentials = NatsCredentials.from_env()    # INFERMESH_NATS_USER, _PASSWORD, _STORE_USER, _CREDS, _TLS_*
+    nc = await nats.connect(url, **credentials.connect_options(url))              # the MESH account: core
+    store = await nats.connect(url, **credentials.store().connect_options(url))   # the STORE account: JetStream
     child_env = credentials.env()                # the same variables, for a child process (never its argv)
+    read_fd, child_env = credentials.pipe_to_child()   # or through a pipe it inherits: no secret in its env
 
-| field          | env var                     | meaning                                                         |
-|----------------|-----------------------------|-----------------------------------------------------------------|
-| ``user``       | ``INFERMESH_NATS_USER``     | the NATS user (``infermesh up``: the service's role)            |
-| ``password``   | ``INFERMESH_NATS_PASSWORD`` | its password (needs ``user``)                                   |
-| ``creds_file`` | ``INFERMESH_NATS_CREDS``    | a ``.creds`` file (JWT + nkey seed) instead of user/password    |
-| ``tls_ca``     | ``INFERMESH_NATS_TLS_CA``   | the CA that signed the server's certificate (else the system's) |
-| ``tls_cert``   | ``INFERMESH_NATS_TLS_CERT`` | a client certificate, for servers that verify clients           |
-| ``tls_key``    | ``INFERMESH_NATS_TLS_KEY``  | its private key (``tls_cert`` and ``tls_key`` go together)      |
+| field          | env var                       | meaning                                                         |
+|----------------|-------------------------------|-----------------------------------------------------------------|
+| ``user``       | ``INFERMESH_NATS_USER``       | the NATS user (``infermesh up``: the service's role)            |
+| ``password``   | ``INFERMESH_NATS_PASSWORD``   | its password (needs ``user``)                                   |
+| ``store_user`` | ``INFERMESH_NATS_STORE_USER`` | the role's user in the STORE account (JetStream), same password |
+| ``creds_file`` | ``INFERMESH_NATS_CREDS``      | a ``.creds`` file (JWT + nkey seed) instead of user/password    |
+| ``tls_ca``     | ``INFERMESH_NATS_TLS_CA``     | the CA that signed the server's certificate (else the system's) |
+| ``tls_cert``   | ``INFERMESH_NATS_TLS_CERT``   | a client certificate, for servers that verify clients           |
+| ``tls_key``    | ``INFERMESH_NATS_TLS_KEY``    | its private key (``tls_cert`` and ``tls_key`` go together)      |
+
+A process started with ``INFERMESH_NATS_CREDENTIALS_FD`` set (``infermesh up``'s services) reads its credentials
+from that inherited pipe when this module is imported, closes it and drops the variable, so they are in no
+environment (``/proc/<pid>/environ`` keeps a process's first one) and no file; they win over the env vars.
 
 Invariants: no credentials means an anonymous connection (an open server, as in the tests); a user's
 replies come back on ``_INBOX.<user>.>``, the only inbox a locked server lets that user subscribe to, so
@@ -20,13 +27,16 @@ one role never reads another's replies; TLS is on for ``tls://`` URLs or when an
 
 from __future__ import annotations
 
+import json
 import os
 import ssl
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping
 
 ENV = {"user": "INFERMESH_NATS_USER", "password": "INFERMESH_NATS_PASSWORD", "creds_file": "INFERMESH_NATS_CREDS",
-       "tls_ca": "INFERMESH_NATS_TLS_CA", "tls_cert": "INFERMESH_NATS_TLS_CERT", "tls_key": "INFERMESH_NATS_TLS_KEY"}
+       "tls_ca": "INFERMESH_NATS_TLS_CA", "tls_cert": "INFERMESH_NATS_TLS_CERT", "tls_key": "INFERMESH_NATS_TLS_KEY",
+       "store_user": "INFERMESH_NATS_STORE_USER"}
+CREDENTIALS_FD = "INFERMESH_NATS_CREDENTIALS_FD"  # an inherited pipe holding the credentials (JSON), read once
 INBOX = "_INBOX"
 
 
@@ -40,6 +50,7 @@ class NatsCredentials:
     tls_ca: str = ""
     tls_cert: str = ""
     tls_key: str = ""
+    store_user: str = ""
 
     def __post_init__(self) -> None:
         if self.password and not self.user:
@@ -48,13 +59,31 @@ class NatsCredentials:
             raise ValueError("give either a NATS user and password or a creds file, not both")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("a NATS client certificate needs its key, and the key its certificate")
-        if any(c in self.user for c in ". *>\t\r\n"):
-            raise ValueError(f"NATS user {self.user!r} must be one subject token (it names the user's inbox)")
+        if self.store_user and not self.user:
+            raise ValueError("a NATS store user goes with a user and password (INFERMESH_NATS_USER)")
+        for user in (self.user, self.store_user):
+            if any(c in user for c in ". *>\t\r\n"):
+                raise ValueError(f"NATS user {user!r} must be one subject token (it names the user's inbox)")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "NatsCredentials":
+        """From ``env`` (default: what this process inherited through its pipe, else ``os.environ``)."""
+        if env is None and INHERITED is not None:
+            return INHERITED
         env = os.environ if env is None else env
         return cls(**{name: env.get(var, "") for name, var in ENV.items()})
+
+    def store(self) -> "NatsCredentials":
+        """Who connects to the STORE account (JetStream): the store user, same password; self if there is none."""
+        return replace(self, user=self.store_user, store_user="") if self.store_user else self
+
+    def pipe_to_child(self) -> tuple[int, dict[str, str]]:
+        """A pipe holding these credentials (the child inherits its read end: pass it in ``pass_fds``, then close
+        it here) and the env a child needs to read them: every ``INFERMESH_NATS_*`` secret variable emptied."""
+        read_fd, write_fd = os.pipe()
+        with os.fdopen(write_fd, "wb") as pipe:  # far under a pipe's buffer: never blocks
+            pipe.write(json.dumps(asdict(self)).encode())
+        return read_fd, {**{var: "" for var in ENV.values()}, CREDENTIALS_FD: str(read_fd)}
 
     def env(self) -> dict[str, str]:
         """Every ``INFERMESH_NATS_*`` variable, empty where unused: hands these credentials (and only these)
@@ -86,3 +115,16 @@ class NatsCredentials:
         if self.uses_tls(url):
             options["tls"] = self.tls_context()
         return options
+
+
+def _take_inherited() -> NatsCredentials | None:
+    """The credentials a parent handed down through ``INFERMESH_NATS_CREDENTIALS_FD``; the pipe is read, closed,
+    and the variable dropped, so this process's own children never look for it."""
+    fd = os.environ.pop(CREDENTIALS_FD, "")
+    if not fd:
+        return None
+    with os.fdopen(int(fd), "rb") as pipe:
+        return NatsCredentials(**json.loads(pipe.read()))
+
+
+INHERITED = _take_inherited()

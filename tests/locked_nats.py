@@ -29,6 +29,7 @@ from shared.ports import free_port
 from shared.subjects import Subjects
 from tests.utils import wait_for_port
 
+OBSERVER = NatsCredentials("observer", "observer-password")  # tests only: sees JetStream's state, changes nothing
 VIOLATION = re.compile(r"(Publish|Subscription) Violation|Permissions Violation|authentication error")
 
 
@@ -51,15 +52,21 @@ class LockedNats:
     def secrets_dir(self) -> Path:
         return self.folder / "secrets"
 
-    def start(self, teams: tuple[str, ...] = ()) -> "LockedNats":
+    def start(self, teams: tuple[str, ...] = (), observer: bool = False) -> "LockedNats":
         """Started with a user for each of ``teams``, and recorded as ``up`` records its server, so
-        ``team_bus_users.reload_team_users(self.secrets_dir)`` adds a team to it as it runs."""
+        ``team_bus_users.reload_team_users(self.secrets_dir)`` adds a team to it as it runs. With ``observer``, a
+        test-only user beside JetStream (``OBSERVER``) that may read stream and consumer info."""
         self.secrets = load_or_create_secrets(self.secrets_dir)
         for team in teams:
             add_team_user(self.secrets_dir, team)
         port = free_port()
         config = server_config(port, self.folder / "store", Subjects(self.namespace), self.secrets, self.tls,
                                team_secrets=load_team_secrets(self.secrets_dir), pid_file=self.folder / "nats.pid")
+        if observer:
+            users = config["accounts"]["STORE"]["users"] if "accounts" in config else config["authorization"]["users"]
+            users.append({"user": OBSERVER.user, "password": OBSERVER.password, "permissions": {  # type: ignore
+                "publish": {"allow": ["$JS.API.CONSUMER.INFO.>", "$JS.API.STREAM.INFO.>", "$JS.API.STREAM.MSG.GET.>"]},
+                "subscribe": {"allow": [f"_INBOX.{OBSERVER.user}.>"]}}})
         write_private(self.folder / "nats.json", json.dumps(config))
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen([nats_server_binary(), "-c", str(self.folder / "nats.json")],

@@ -312,7 +312,7 @@ async def test_only_edges_send_work_to_workers_and_only_edges_read_token_streams
         caller = worker if role is Role.WORKER else await connect(locked, role)
         await caller.nc.publish(s.worker_generate("sim-0"), b"free prompt", reply=s.stream("e1", "r2"))
         await caller.nc.publish(s.worker_abort("sim-0"), b"abort")
-        await locked.wait_for_violation(f'"$G/user:{role}" - Publish Violation - '
+        await locked.wait_for_violation(f'"MESH/user:{role}" - Publish Violation - '
                                         f'Subject "{s.worker_generate("sim-0")}"')
         await refused_subscription(locked, caller, s.stream_prefix("e1") + ".*")
         await refused_subscription(locked, caller, "_INBOX.>")
@@ -327,7 +327,7 @@ async def test_no_role_can_delete_purge_or_redefine_a_stream(locked):
         for verb in ("DELETE", "PURGE", "UPDATE"):
             subject = f"$JS.API.STREAM.{verb}.KV_{s.workers_bucket}"
             with pytest.raises(nats.errors.TimeoutError):
-                await bus.nc.request(subject, b"{}", timeout=REFUSED_S)
+                await bus.store.request(subject, b"{}", timeout=REFUSED_S)  # JetStream: the STORE account
             await locked.wait_for_violation(f'Subject "{subject}"')
     # the edge may re-create the usage stream (a no-op), never redefine it to capture token streams
     with pytest.raises(nats.js.errors.BadRequestError):

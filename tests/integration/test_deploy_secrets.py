@@ -35,7 +35,8 @@ def test_init_makes_each_secret_once_and_each_service_gets_only_its_own(tmp_path
 
     edge, metering, router = (env_of(folder / name) for name in ("edge", "metering", "router"))
     assert edge["INFERMESH_DEV_KEY"] == key and edge["INFERMESH_NATS_USER"] == "edge"
-    assert set(router) == {"INFERMESH_NATS_USER", "INFERMESH_NATS_PASSWORD"}  # no ledger, no key
+    assert set(router) == {"INFERMESH_NATS_USER", "INFERMESH_NATS_STORE_USER", "INFERMESH_NATS_PASSWORD"}  # no key
+    assert router["INFERMESH_NATS_STORE_USER"] == "router@store"  # its user in the STORE account
     password = (folder / "postgres" / "password").read_text()
     assert metering["INFERMESH_DATABASE_URL"] == f"postgresql://postgres:{password}@postgres:5432/infermesh"
     assert "INFERMESH_DATABASE_URL" not in edge

@@ -178,7 +178,7 @@ def test_the_admin_cli_uses_the_env_credentials_else_the_stored_admin_else_none(
         monkeypatch.delenv(var, raising=False)
     assert admin_credentials(tmp_path) == NatsCredentials()
     secrets = load_or_create_secrets(tmp_path)
-    assert admin_credentials(tmp_path) == NatsCredentials("admin", secrets[Role.ADMIN])
+    assert admin_credentials(tmp_path) == NatsCredentials("admin", secrets[Role.ADMIN], store_user="admin@store")
     monkeypatch.setenv("INFERMESH_NATS_USER", "ops")
     monkeypatch.setenv("INFERMESH_NATS_PASSWORD", "theirs")
     assert admin_credentials(tmp_path) == NatsCredentials("ops", "theirs")
@@ -187,8 +187,11 @@ def test_the_admin_cli_uses_the_env_credentials_else_the_stored_admin_else_none(
 def test_the_server_config_has_a_user_per_role_and_tls_when_asked(tmp_path):
     secrets = load_or_create_secrets(tmp_path)
     config = server_config(4222, tmp_path / "js", S, secrets)
-    users = {u["user"]: u for u in config["authorization"]["users"]}  # type: ignore[index]
+    mesh, store = config["accounts"]["MESH"], config["accounts"]["STORE"]  # type: ignore[index]
+    users = {u["user"]: u for u in mesh["users"]}
     assert set(users) == {r.value for r in Role} and users["edge"]["password"] == secrets[Role.EDGE]
+    assert {u["user"]: u["password"] for u in store["users"]} == {f"{r.value}@store": secrets[r] for r in Role}
+    assert store["jetstream"] == "enabled" and "jetstream" not in mesh  # no consumer can be made in MESH
     assert config["listen"] == "127.0.0.1:4222" and "tls" not in config
     tls = tls_files("cert.pem", "key.pem", "ca.pem")
     assert tls is not None and tls.cert.startswith("/")

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from infermesh.bus_auth import load_or_create_secrets, server_config
-from infermesh.bus_roles import Role
+from infermesh.bus_roles import Role, store_user
 from infermesh.team_bus_users import (
     TEAM_SECRETS_FILE,
     add_team_user,
@@ -32,8 +32,8 @@ def test_a_team_user_is_made_once_readable_by_this_user_only(tmp_path):
         team_credentials("mu", tmp_path)
 
 
-def _users(config_path) -> list[str]:
-    return [u["user"] for u in json.loads(config_path.read_text())["authorization"]["users"]]
+def _store_users(config_path) -> list[dict]:
+    return json.loads(config_path.read_text())["accounts"]["STORE"]["users"]
 
 
 def test_a_reload_rewrites_the_team_users_and_keeps_the_roles(tmp_path):
@@ -50,8 +50,11 @@ def test_a_reload_rewrites_the_team_users_and_keeps_the_roles(tmp_path):
     record_running(tmp_path, config_path, pid_file, "im", "nats://127.0.0.1:4222")
     add_team_user(tmp_path, "lambda")
     assert not reload_team_users(tmp_path)  # its server is gone: the config is rewritten for the next start
-    assert _users(config_path) == [*(r.value for r in Role), "team-kappa", "team-lambda"]
-    kappa = next(u for u in json.loads(config_path.read_text())["authorization"]["users"] if u["user"] == "team-kappa")
+    assert [u["user"] for u in _store_users(config_path)] == [
+        *(store_user(r.value) for r in Role), "team-kappa", "team-lambda"]
+    mesh = json.loads(config_path.read_text())["accounts"]["MESH"]["users"]
+    assert [u["user"] for u in mesh] == [r.value for r in Role]  # a team has no user in MESH
+    kappa = next(u for u in _store_users(config_path) if u["user"] == "team-kappa")
     assert kappa["password"] == team_credentials("kappa", tmp_path).password
     assert kappa["permissions"]["publish"]["allow"][0] == "im.batch.submit.kappa"
     assert stat.S_IMODE(config_path.stat().st_mode) == 0o600
