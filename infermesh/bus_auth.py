@@ -7,9 +7,11 @@
     url = start_locked_nats(group, state, ns, tls)          # all of it; group hands each service its credentials
 
 Invariants: the secrets file and the server config are written 0600 in folders of 0700 and never printed;
-a service gets its credentials in its environment (``INFERMESH_NATS_USER`` / ``_PASSWORD``), never on its
-command line; every bucket and the usage stream exist before any service connects, so no service can be the
-first to create one with a config of its own; without credentials the server refuses the connection.
+the config has the two accounts of ``infermesh/bus_roles.py`` (MESH: core, no JetStream; STORE: JetStream);
+a service gets its own role's credentials and no other's through a pipe it inherits (``ProcessGroup.spawn``),
+never in its environment nor on its command line; every bucket and the usage stream exist before any service
+connects, so no service can be the first to create one with a config of its own; without credentials the
+server refuses the connection.
 """
 
 from __future__ import annotations

@@ -1,5 +1,13 @@
 """Who may do what on a locked bus: one NATS user per service role, each with publish and subscribe allow lists.
 
+Two accounts (``Account``): nats-server does not check a JetStream push consumer's ``deliver_subject`` against
+its maker's permissions, so wherever a role may make a consumer it may deliver anywhere in that account. MESH
+has no JetStream (no consumer can be made there) and carries every core subject; STORE holds the streams, KV
+buckets and object stores, and nothing listens there but private inboxes and the streams (which store a
+delivery, if at all, under its original subject: see docs/architecture.md). Each role has a user in each,
+``<role>`` and ``<role>@store`` (``store_user``), one password; ``account_permissions`` splits ``permissions``
+between them (``in_store``: ``$JS``, ``$KV``, ``$O`` and the streams' subjects). Team users are in STORE only.
+
 Derived from ``shared/subjects.py`` (``<ns>`` is the namespace; a KV put is a publish on ``$KV.<bucket>.<key>``,
 a KV read a consumer on ``KV_<bucket>`` or a direct get; JetStream API calls are publishes on ``$JS.API.>``):
 

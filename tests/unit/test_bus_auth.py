@@ -8,7 +8,16 @@ import stat
 import pytest
 
 from infermesh.bus_auth import SECRETS_FILE, admin_credentials, load_or_create_secrets, server_config, tls_files
-from infermesh.bus_roles import SERVICE_ROLES, Role, buckets, permissions, team_permissions
+from infermesh.bus_roles import (
+    SERVICE_ROLES,
+    Account,
+    Role,
+    account_permissions,
+    buckets,
+    in_store,
+    permissions,
+    team_permissions,
+)
 from shared.config import BusConfig, load_config
 from shared.nats_auth import NatsCredentials
 from shared.subjects import Subjects
@@ -94,6 +103,20 @@ def test_every_role_reads_replies_only_on_its_own_inbox_and_answers_only_when_it
                                                          Role.BATCH, Role.METERING}
     assert set(SERVICE_ROLES.values()) == set(Role) - {Role.ADMIN}
     assert len(buckets(S)) == len(set(buckets(S)))
+
+
+def test_core_traffic_and_jetstream_are_split_between_the_two_accounts():
+    """MESH carries no JetStream subject (it has no JetStream: no consumer there), STORE no core subject and no
+    subscription but the store user's own inbox (a consumer's delivery there reaches no service)."""
+    for role in Role:
+        mesh, store = (account_permissions(role, S, account) for account in (Account.MESH, Account.STORE))
+        assert not [p for p in mesh.publish if in_store(p, S)] and not [p for p in store.publish if not in_store(p, S)]
+        assert set(mesh.publish) | set(store.publish) == set(ALL[role].publish)  # nothing lost in the split
+        assert mesh.subscribe == ALL[role].subscribe and store.subscribe == (f"_INBOX.{role}@store.>",)
+        assert not store.responds and mesh.responds == ALL[role].responds
+    assert in_store("im.usage", S) and in_store("im.batch.submit.kappa", S) and in_store("$KV.im_workers.w", S)
+    assert not in_store("im.batch.line", S) and not in_store("im.worker.w.generate", S)
+    assert not in_store("im.metering.keys_changed", S) and not in_store("im.stream.e1.r1", S)
 
 
 KAPPA = team_permissions("kappa", S)
