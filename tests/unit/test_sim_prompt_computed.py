@@ -1,5 +1,6 @@
 """services/worker/engines/sim.py: the prompt tokens an output reports are those the engine computed (issue 38,
-point 7): none for a request aborted while it waited, the chunks prefilled so far for one aborted mid-prefill, and
+point 7): none for a request aborted while it waited, the chunks prefilled so far (the one in the running step
+included: a step runs to its end) for one aborted mid-prefill, and
 the prompt alone (not the tokens it resumed with) for a migrated request."""
 
 from __future__ import annotations
@@ -34,17 +35,19 @@ async def test_a_request_aborted_while_it_waits_reports_no_prompt_computed():
         await eng.stop()
 
 
-async def test_a_request_aborted_mid_prefill_reports_the_chunks_computed():
+async def test_a_request_aborted_mid_prefill_reports_the_chunks_computed_and_the_one_running():
     eng = SimEngine(SimEngineConfig(ttft_ms=20, itl_ms=5, block_size=16, num_kv_blocks=64,
-                                    max_num_batched_tokens=16))  # 40 prompt tokens: 3 chunks of 20 ms
+                                    max_num_batched_tokens=16))  # 100 prompt tokens: 7 chunks of 20 ms
+    prompt = list(range(100, 200))
     await eng.start()
     try:
-        task = asyncio.create_task(outputs(eng.generate("r", PROMPT, SamplingParams(max_tokens=5))))
+        task = asyncio.create_task(outputs(eng.generate("r", prompt, SamplingParams(max_tokens=5))))
         await eventually(lambda: "r" in eng._streams and eng._streams["r"].request.num_computed_tokens > 0, 5, 0.001)
-        computed = eng._streams["r"].request.num_computed_tokens
+        done = eng._streams["r"].request.num_computed_tokens
+        running = sum(n for r, n in eng._step.batch.prefills if r.request_id == "r") if eng._step else 0
         await eng.abort("r")  # (no await before it: nothing more is computed meanwhile)
         [end] = await task
-        assert end.finish_reason == "abort" and end.num_prompt_tokens == computed and 0 < computed < len(PROMPT)
+        assert end.finish_reason == "abort" and end.num_prompt_tokens == done + running < len(prompt)
     finally:
         await eng.stop()
 

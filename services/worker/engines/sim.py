@@ -40,7 +40,7 @@ from services.worker.engines.block_pool import hash_block
 from services.worker.engines.cost_model import CostModel, load_profile
 from services.worker.engines.scheduler import SimRequest
 from services.worker.engines.sim_script import SimScript, load_script
-from services.worker.engines.sim_worker import SimWorker, SimWorkerConfig, draw_token, token_rng
+from services.worker.engines.sim_worker import SimWorker, SimWorkerConfig, Step, draw_token, token_rng
 from services.worker.engines.thinking import ThoughtBudget
 from shared.schema import KvEvent, KvTransfer, SamplingParams
 from shared.tasks import cancel_and_wait
@@ -112,13 +112,14 @@ def sim_token_ids(prompt_token_ids: list[int], seed: int | None, count: int) -> 
     return [draw_token(rng, pool) for _ in range(count)]
 
 
-def prompt_computed(r: SimRequest, num_prompt: int) -> int:
-    """The prompt tokens (of ``num_prompt``) the scheduler has in ``r``'s KV, cache hits and pulled KV included:
-    the whole prompt once a token was made, else the chunks prefilled so far (0 if never scheduled: an abort in
-    the queue computed nothing). A chunk lost to a preemption before the first token is not counted."""
+def prompt_computed(r: SimRequest, num_prompt: int, running: int = 0) -> int:
+    """The prompt tokens (of ``num_prompt``) the engine computed for ``r``, cache hits and pulled KV included: the
+    whole prompt once a token was made, else the chunks prefilled so far and the one in the step now ``running``
+    (an engine's step runs to its end: vLLM counts a chunk computed once it is scheduled); 0 if never scheduled
+    (an abort in the queue computed nothing). A chunk lost to a preemption before the first token is not counted."""
     if r.output_token_ids or r.finish_reason not in (None, "abort"):
         return num_prompt
-    return min(r.num_computed_tokens, num_prompt)
+    return min(r.num_computed_tokens + running, num_prompt)
 
 
 def check_grammar(decoder: ConstrainedDecoder, tokens: list[int], decode) -> None:
@@ -166,6 +167,7 @@ class SimEngine(Engine):
         self._runner: asyncio.Task[None] | None = None
         self._t0 = 0.0  # time.monotonic() at start
         self._paced_to = 0.0  # simulated seconds: where the steps so far end on the schedule they are paced on
+        self._step: Step | None = None  # the step running now (between begin_step and end_step)
         self._grammars: GrammarCache | None = None  # made on the first structured request
         self._script: SimScript | None = load_script(c.script) if c.script else None  # a bad file fails here
         self._script_tokenizer = None  # the script's tokenizer (transformers), loaded on its first request
@@ -317,11 +319,13 @@ class SimEngine(Engine):
             for request, seconds, epoch in step.transfers:
                 loop.call_later(seconds / factor, self._kv_ready, request, epoch)
             self._publish_kv_events()
+            self._step = step  # running: a request aborted meanwhile had its chunk of this step computed
             if step.duration_s > 0:  # paced on a schedule, not step by step: a sleep shorter than the loop's
                 # timer resolution (uvloop: 1 ms) ends early, and the steps after it make the time up
                 self._paced_to = max(self._paced_to, started) + step.duration_s
                 await asyncio.sleep(max(self._t0 + self._paced_to / factor - time.monotonic(), 0.0))
-            for request, token in self.worker.end_step(step, self.now()):
+            produced, self._step = self.worker.end_step(step, self.now()), None
+            for request, token in produced:
                 stream = self._streams.get(request.request_id)
                 if stream is not None:
                     stream.pending.append(token)
@@ -352,7 +356,8 @@ class SimEngine(Engine):
         if finish_reason == "remote":
             handle = KvTransfer(self.config.worker_id, r.request_id, len(r.prompt_token_ids))
         timings = self._timings(r) if finish_reason not in (None, "abort") else None
-        computed = prompt_computed(r, stream.num_prompt)
+        running = self._step.batch.prefills if self._step is not None else ()
+        computed = prompt_computed(r, stream.num_prompt, sum(n for request, n in running if request is r))
         stream.outputs.put_nowait(EngineOutput(tokens, finish_reason, computed, min(r.num_cached_tokens, computed),
                                                handle, timings))
 
