@@ -6,7 +6,8 @@
 
 | step                                   | guarantees                                                       |
 |----------------------------------------|------------------------------------------------------------------|
-| worker publishes OrphanUsage           | ``Nats-Msg-Id: orphan:<request_id>``: a re-publish adds nothing  |
+| worker publishes OrphanUsage           | ``Nats-Msg-Id: orphan:<request_id>``: a re-publish adds nothing; |
+|                                        | retried until JetStream has it (never given up)                  |
 | no edge is up                          | reports wait in the stream (``RETENTION_S``)                     |
 | an edge verifies, publishes usage, acks| usage dedupe id ``<request_id>:<attempt>``, as the dead edge's:  |
 |                                        | a duplicate report, or usage the edge did publish, bills once    |
@@ -17,9 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
-from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 
 from shared import schema
@@ -40,7 +40,7 @@ async def ensure_orphans_stream(bus: Bus) -> None:
     config = StreamConfig(name=bus.subjects.orphans_stream, subjects=[bus.subjects.orphans_all],
                           retention=RetentionPolicy.LIMITS, storage=StorageType.FILE, max_age=RETENTION_S,
                           duplicate_window=DUPLICATE_WINDOW_S, num_replicas=stream_replicas(),
-                          max_bytes=store_caps().orphans)
+                          max_bytes=store_caps().orphans, discard=DiscardPolicy.NEW)
     try:
         await bus.js.add_stream(config)
     except BadRequestError:  # it exists with another config (an operator changed it): keep theirs
@@ -52,18 +52,20 @@ def orphan_msg_id(report: OrphanUsage) -> str:
 
 
 class OrphanPublisher:
-    """A worker's side: publish a report until JetStream has it (retried while NATS is away)."""
+    """A worker's side: publish a report until JetStream has it, never giving up (retried with capped backoff
+    while NATS or JetStream is away, however long): the report is the usage of a request whose edge is gone, and
+    nothing else holds it."""
 
-    def __init__(self, bus: Bus, worker_id: str, give_up_s: float = 120.0) -> None:
+    def __init__(self, bus: Bus, worker_id: str, max_delay_s: float = 5.0) -> None:
         self.bus = bus
         self.subject = bus.subjects.orphans(worker_id)
-        self.give_up_s = give_up_s
+        self.max_delay_s = max_delay_s
         self.published = 0
-        self.lost = 0
+        self.retries = 0
 
     async def publish(self, report: OrphanUsage) -> bool:
         data, headers = schema.encode(report), traced({"Nats-Msg-Id": orphan_msg_id(report)})
-        deadline, delay = time.monotonic() + self.give_up_s, 0.05
+        delay = 0.05
         while True:
             try:
                 await self.bus.js.publish(self.subject, data, headers=headers, timeout=2.0)
@@ -72,11 +74,7 @@ class OrphanPublisher:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                if time.monotonic() + delay > deadline:
-                    self.lost += 1
-                    log.error("orphan report %s lost after %.0f s of retries (%s)", orphan_msg_id(report),
-                              self.give_up_s, exc)
-                    return False
-                log.warning("orphan report %s failed (%s): retrying", orphan_msg_id(report), exc)
+                self.retries += 1
+                log.warning("orphan report %s failed (%s): retrying in %.2f s", orphan_msg_id(report), exc, delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                delay = min(delay * 2, self.max_delay_s)

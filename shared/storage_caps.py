@@ -12,15 +12,17 @@ write fails (err 10023), so every stream the mesh makes has one.
 | stream or bucket                           | share | at 16 GiB  | when full                                    |
 |--------------------------------------------|-------|------------|----------------------------------------------|
 | ``OBJ_<ns>_files`` (/v1/files)             | 50 %  | 8 GiB      | uploads refused (503); per-team quotas first |
-| ``<ns>_batch_results``                     | 20 %  | 3.2 GiB    | oldest results dropped (30 days kept)        |
-| ``<ns>_batch_submit``                      | 5 %   | 819 MiB    | oldest submissions dropped                   |
-| ``<ns>_batch_events``                      | 2 %   | 328 MiB    | oldest job records dropped                   |
-| ``<ns>_usage``                             | 10 %  | 1.6 GiB    | oldest (metered) usage dropped               |
-| ``<ns>_usage_dlq``                         | 2 %   | 328 MiB    | oldest dead letters dropped                  |
-| ``<ns>_orphans``                           | 3 %   | 492 MiB    | oldest reports dropped                       |
+| ``<ns>_batch_results``                     | 20 %  | 3.2 GiB    | new results refused (30 days kept)           |
+| ``<ns>_batch_submit``                      | 5 %   | 819 MiB    | new submissions refused (the client told)    |
+| ``<ns>_batch_events``                      | 2 %   | 328 MiB    | job record changes refused                   |
+| ``<ns>_usage``                             | 10 %  | 1.6 GiB    | new usage refused: kept in the edges' outbox |
+| ``<ns>_usage_dlq``                         | 2 %   | 328 MiB    | new dead letters refused (metering retries)  |
+| ``<ns>_orphans``                           | 3 %   | 492 MiB    | new reports refused (the worker keeps them)  |
 | each KV bucket (8: workers, leases, ...)   | 1 %   | 164 MiB    | writes refused                               |
 
-A namespace's streams are created once; one that exists keeps its own limits (an operator changes them with
+Every stream refuses new messages when full (``discard: new``), never dropping its oldest: nothing unread (usage,
+a report, a result) is evicted by a flood of something else; its age limit still expires old ones. A namespace's
+streams are created once; one that exists keeps its own limits (an operator changes them with
 ``nats stream edit --max-bytes``). The test suite sets a small budget (tests/conftest.py): every test namespace
 on its shared server reserves its own.
 """

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 
 import msgspec
-from nats.js.api import DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import DeliverPolicy, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 
 from shared.batch_schema import BatchLineResult
@@ -38,13 +38,13 @@ async def ensure_batch_streams(bus: Bus) -> None:
     for config in (
         StreamConfig(name=s.batch_submit_stream, subjects=[s.batch_submit_all], retention=RetentionPolicy.LIMITS,
                      storage=StorageType.FILE, max_age=SUBMIT_RETENTION_S, duplicate_window=DAY_S,
-                     num_replicas=replicas, max_bytes=caps.batch_submit),
+                     num_replicas=replicas, max_bytes=caps.batch_submit, discard=DiscardPolicy.NEW),
         StreamConfig(name=s.batch_results_stream, subjects=[s.batch_results_all], retention=RetentionPolicy.LIMITS,
                      storage=StorageType.FILE, max_age=RESULTS_RETENTION_S, duplicate_window=DAY_S,
-                     num_replicas=replicas, max_bytes=caps.batch_results),
+                     num_replicas=replicas, max_bytes=caps.batch_results, discard=DiscardPolicy.NEW),
         StreamConfig(name=s.batch_events_stream, subjects=[s.batch_events_all], retention=RetentionPolicy.LIMITS,
                      storage=StorageType.FILE, max_age=RESULTS_RETENTION_S, max_msgs_per_subject=1,
-                     allow_direct=True, num_replicas=replicas,
+                     allow_direct=True, num_replicas=replicas, discard=DiscardPolicy.NEW,
                      max_bytes=caps.batch_events),  # a job status: DIRECT.GET.<stream>.<subject>, naming the team
     ):
         try:

@@ -187,7 +187,7 @@ async def test_metering_survives_its_own_restart(nats_url, namespace, ledger_url
     engine = ledger
     bus = await Bus.connect(nats_url, namespace, "usage-test")
     await ensure_usage_stream(bus)  # as an edge does: the usage is published before metering ever ran
-    publisher = UsagePublisher(bus, give_up_s=5)
+    publisher = UsagePublisher(bus)
     events = [event(i) for i in range(400)]
     for e in events[:200]:
         assert await publisher.publish(e)
@@ -241,7 +241,7 @@ async def test_a_crash_between_commit_and_ack_is_redelivered_and_counted_once(na
     engine = ledger
     bus = await Bus.connect(nats_url, namespace, "usage-test")
     await ensure_usage_stream(bus)  # as an edge does: the usage is published before metering ever ran
-    publisher = UsagePublisher(bus, give_up_s=5)
+    publisher = UsagePublisher(bus)
     events = [event(i) for i in range(100)]
     for e in events:
         assert await publisher.publish(e)

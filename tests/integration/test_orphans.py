@@ -237,3 +237,28 @@ async def test_reports_wait_for_an_edge_and_a_duplicate_or_the_edges_own_usage_b
         assert events[1].deployment == "east"  # the biller's deployment: its workers served the request
     finally:
         await biller.stop()
+
+
+async def test_an_orphan_report_outlasts_any_jetstream_outage(bus, monkeypatch):
+    # the report is the only record of a dead edge's usage: the old publisher gave it up after 120 s (here every
+    # look at the clock is 200 s later, so a deadline passes at once); it must wait for JetStream however long
+    import asyncio
+    import types
+    skew = {"s": 0.0}
+
+    def monotonic() -> float:
+        skew["s"] += 200.0
+        return time.monotonic() + skew["s"]
+
+    monkeypatch.setattr("shared.orphans.time", types.SimpleNamespace(monotonic=monotonic, time=time.time),
+                        raising=False)
+    publisher = OrphanPublisher(bus, "w-orph", max_delay_s=0.05)
+    publishing = asyncio.create_task(publisher.publish(signed_report("req-outage")))  # no stream: refused
+    try:
+        await eventually(lambda: publisher.retries >= 5, 10)
+        assert not publishing.done()
+        await ensure_orphans_stream(bus)  # JetStream takes it again
+        assert await asyncio.wait_for(publishing, 10) is True
+        assert (await bus.js.stream_info(bus.subjects.orphans_stream)).state.messages == 1
+    finally:
+        publishing.cancel()
