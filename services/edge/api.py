@@ -137,8 +137,10 @@ class EdgeApi:
         billing_id = request.line_id or request_id  # what it is billed under: a batch line's every run, once
         hints = RouteHints(self._session_id(request, prepared), prepared.cache_salt, caller.team,
                            prepared.cache_prefix_tokens)
-        span = tracing.start_request_span(kind, request.path, request.headers, request_id, model, len(prompt_ids),
+        span = tracing.start_request_span(kind, request.path, request.headers, billing_id, model, len(prompt_ids),
                                           stream, caller.team, hints.session_id)
+        if request.line_id:  # the ledger's id on the span (as the batch line's); the run's beside it
+            span.set_attribute("infermesh.run_id", request_id)
         klass = self._request_class(request)
         lease, timing = None, _Timing(arrived)
         if self.mesh.admission is not None:  # no lease, no request: 429 / 503 before anything is routed
