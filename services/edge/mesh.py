@@ -174,7 +174,7 @@ class EdgeMesh:
         return info
 
     def is_ready(self) -> bool:
-        return self.bus.nc.is_connected and any(w.tokenizer in self._tokenizers for link in self.links
+        return self.bus.is_connected and any(w.tokenizer in self._tokenizers for link in self.links
                                                 for w in link.directory.live())
 
     async def tokenizer(self, info: WorkerInfo) -> ModelTokenizer:
