@@ -47,6 +47,7 @@ from shared.batch_schema import (
     job_id_for,
 )
 from shared.bus import Bus
+from shared.file_quota import QuotaExceeded
 from shared.files import FileNotFound, FileStore, ensure_files_bucket
 from shared.kv_cas import ensure_bucket
 from shared.metrics import service_registry
@@ -290,6 +291,9 @@ class BatchService:
                                 "bus", submit_id)
         except ApiRefusal as refusal:
             await self._refused(team, submit_id, refusal.reply.error_message)
+        except QuotaExceeded as exc:  # its lines would be a file past the team's storage quota: at once, not retried
+            await self._refused(team, submit_id, f"the team's file storage quota is exceeded ({exc}): delete files "
+                                "it no longer needs (DELETE /v1/files/{file_id}) and submit again")
         except msgspec.ValidationError as exc:
             await self._refused(team, submit_id, f"the submission is not a BatchSubmit: {exc}")
         except msgspec.DecodeError as exc:

@@ -19,6 +19,7 @@ from services.batch.service import BatchService
 from services.batch.store import get_job
 from shared.batch_schema import BatchSubmit, job_id_for
 from shared.bus import Bus
+from shared.file_quota import FileQuota
 from tests.utils import eventually
 
 pytestmark = pytest.mark.integration
@@ -101,6 +102,19 @@ async def test_a_submission_that_keeps_failing_is_a_failed_job_saying_why_and_th
     assert error.code == "invalid_submission" and "could not be processed after 3 tries" in error.message
     await eventually(lambda: job_of(batch, "kappa", fine), 10)
     assert batch.submissions.stats["submissions_poisoned"] == 1
+
+
+async def test_a_submission_past_the_teams_file_quota_is_a_failed_job_saying_so_at_once(batch, monkeypatch):
+    # its lines become a file of the team: past the team's quota the store refuses it, which no retry changes
+    # (before: QuotaExceeded went to the consumer as an unexpected error, retried until given up as "could not
+    # be processed after 3 tries")
+    monkeypatch.setattr(batch.files, "quota", FileQuota(max_bytes=1 << 20, max_files=0))
+    over = await submit(batch, "kappa", "over-1")
+    await eventually(lambda: job_of(batch, "kappa", over), 10)
+    failed = await job_of(batch, "kappa", over)
+    (error,) = failed.errors
+    assert failed.status == "failed" and "file storage quota is exceeded" in error.message
+    assert batch.submissions.stats.get("submissions_poisoned", 0) == 0
 
 
 async def test_a_consumer_that_dies_is_restarted_and_health_says_so_meanwhile(batch, monkeypatch):
