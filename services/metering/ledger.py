@@ -58,6 +58,7 @@ def usage_row(seq: int, event: UsageEvent, prices: PriceBook) -> dict:
         "created_at": dt.datetime.fromtimestamp(at, UTC),
         "migrations": event.migrations, "migration_prefill_tokens": event.migration_prefill_tokens,
         "deployment": event.deployment, "batch_id": event.batch_id, "trajectory": event.trajectory,
+        "run_id": event.run_id,
     }
 
 
@@ -165,7 +166,7 @@ def _net_daily_sums(added: Sequence[dict], removed: Sequence[dict], prices: Pric
     return [net[key] for key in sorted(net) if any(net[key][name] for name in SUMMED)]
 
 
-# Postgres: one statement whose parameters are 23 arrays (unnest), instead of 23 parameters per row: the
+# Postgres: one statement whose parameters are 24 arrays (unnest), instead of 24 parameters per row: the
 # server parses one small statement and asyncpg sends the columns in binary (~2x the rows per second).
 _USAGE_COLUMNS = (("request_id", "varchar"), ("attempt", "int4"), ("team", "varchar"), ("key_prefix", "varchar"),
                   ("model", "varchar"), ("prompt_tokens", "int4"), ("cached_tokens", "int4"),
@@ -174,7 +175,7 @@ _USAGE_COLUMNS = (("request_id", "varchar"), ("attempt", "int4"), ("team", "varc
                   ("worker_id", "varchar"), ("prefill_worker_id", "varchar"), ("trace_id", "varchar"),
                   ("stream_seq", "int8"), ("created_at", "timestamptz"), ("migrations", "int4"),
                   ("migration_prefill_tokens", "int4"), ("deployment", "varchar"), ("batch_id", "varchar"),
-                  ("trajectory", "varchar"))
+                  ("trajectory", "varchar"), ("run_id", "varchar"))
 _UNNEST_INSERT = (
     f"INSERT INTO usage ({', '.join(name for name, _ in _USAGE_COLUMNS)}) "
     f"SELECT * FROM unnest({', '.join(f'${i + 1}::{kind}[]' for i, (_, kind) in enumerate(_USAGE_COLUMNS))}) "

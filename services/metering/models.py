@@ -187,6 +187,9 @@ class Usage(Base):
     batch_id: Mapped[str] = mapped_column(String(MAX_BATCH_ID), nullable=False, default="", server_default="")
     # the agent run it was part of (services/edge/sessions.py); "" when none was named (and before revision 0007)
     trajectory: Mapped[str] = mapped_column(String(MAX_TRAJECTORY), nullable=False, default="", server_default="")
+    # which run of a batch line this row bills (the line is billed once, whatever its runs); "" for any other
+    # request (and before revision 0008)
+    run_id: Mapped[str] = mapped_column(String(MAX_REQUEST_ID), nullable=False, default="", server_default="")
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), nullable=False, index=True)
     ingested_at: Mapped[dt.datetime] = _created()
 

@@ -30,17 +30,17 @@ def run_usage(run_id: str, status: str, completion: int) -> UsageEvent:
                       10, 0, completion, 1.0, 2.0, "w", created_at=CREATED, batch_id="batch_j", run_id=run_id)
 
 
-async def rows(ledger_url: str) -> list[tuple[str, str, int]]:
+async def rows(ledger_url: str) -> list[tuple[str, str, int, str]]:
     engine = create_engine(ledger_url)
     try:
         async with engine.connect() as conn:
             return [tuple(r) for r in (await conn.execute(select(Usage.request_id, Usage.status,
-                                                                 Usage.completion_tokens))).all()]
+                                                                 Usage.completion_tokens, Usage.run_id))).all()]
     finally:
         await engine.dispose()
 
 
-@pytest.mark.parametrize("ledger_url", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("ledger_url", ["sqlite", "postgres"], indirect=True)
 async def test_a_lines_finished_run_is_billed_after_its_failed_run_within_the_duplicate_window(
         nats_url, namespace, ledger_url):
     bus = await Bus.connect(nats_url, namespace, "batch-run-usage")
@@ -55,7 +55,7 @@ async def test_a_lines_finished_run_is_billed_after_its_failed_run_within_the_du
         assert finished != failed
 
         async def the_finished_run_is_billed() -> bool:
-            return await rows(ledger_url) == [("batch_j_0", "finished", 300)]
+            return await rows(ledger_url) == [("batch_j_0", "finished", 300, "batch_j_0_r2")]  # which run billed
 
         await eventually(the_finished_run_is_billed, 15, 0.1)
     finally:
