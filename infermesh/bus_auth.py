@@ -7,7 +7,8 @@
     url = start_locked_nats(group, state, ns, tls)          # all of it; group hands each service its credentials
 
 Invariants: the secrets file and the server config are written 0600 in folders of 0700 and never printed;
-the config has the two accounts of ``infermesh/bus_roles.py`` (MESH: core, no JetStream; STORE: JetStream);
+the config has the three accounts of ``infermesh/bus_roles.py`` (MESH: core, no JetStream; STORE: JetStream;
+LEDGER: the usage streams);
 a service gets its own role's credentials and no other's through a pipe it inherits (``ProcessGroup.spawn``),
 never in its environment nor on its command line; every bucket and the usage stream exist before any service
 connects, so no service can be the first to create one with a config of its own; without credentials the
@@ -19,11 +20,20 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets as random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Mapping
+from typing import Iterable, Mapping
 
-from infermesh.bus_roles import Account, Role, account_permissions, buckets, store_user
+from infermesh.bus_roles import (
+    LEDGER_ROLES,
+    Account,
+    Role,
+    account_permissions,
+    account_user,
+    buckets,
+    ledger_user,
+    store_user,
+)
 from infermesh.private_files import data_dir, write_private
 from infermesh.processes import ProcessGroup
 from infermesh.team_bus_users import load_team_secrets, record_running, server_users
@@ -73,12 +83,14 @@ def admin_credentials(folder: Path | None = None) -> NatsCredentials:
     path = (folder or data_dir()) / SECRETS_FILE
     if env.user or env.creds_file or not path.exists():
         return env
-    return NatsCredentials(Role.ADMIN.value, json.loads(path.read_text())[Role.ADMIN.value], tls_ca=env.tls_ca,
-                           tls_cert=env.tls_cert, tls_key=env.tls_key, store_user=store_user(Role.ADMIN.value))
+    return replace(role_credentials(Role.ADMIN, {Role.ADMIN: json.loads(path.read_text())[Role.ADMIN.value]}),
+                   tls_ca=env.tls_ca, tls_cert=env.tls_cert, tls_key=env.tls_key)
 
 
-def role_credentials(role: Role, secrets: dict[Role, str], tls: TlsFiles | None = None) -> NatsCredentials:
-    return NatsCredentials(role.value, secrets[role], tls_ca=tls.ca if tls else "", store_user=store_user(role.value))
+def role_credentials(role: Role, secrets: Mapping[Role, str], tls: TlsFiles | None = None) -> NatsCredentials:
+    """The role's users (MESH, STORE, and LEDGER for ``LEDGER_ROLES``) and password."""
+    return NatsCredentials(role.value, secrets[role], tls_ca=tls.ca if tls else "", store_user=store_user(role.value),
+                           ledger_user=ledger_user(role.value) if role in LEDGER_ROLES else "")
 
 
 def server_config(port: int, store_dir: Path, subjects: Subjects, secrets: dict[Role, str],
@@ -103,15 +115,18 @@ def server_config(port: int, store_dir: Path, subjects: Subjects, secrets: dict[
 
 def server_accounts(subjects: Subjects, secrets: Mapping[Role, str],
                     team_secrets: Mapping[str, str]) -> dict[str, dict[str, object]]:
-    """The config's ``accounts``: MESH (no JetStream: core traffic) holds each role's user; STORE (JetStream only)
-    holds each role's ``<role>@store`` user, same password, and the teams' users (infermesh/bus_roles.py)."""
-    def users(account: Account) -> list[dict[str, object]]:
-        return [{"user": role.value if account is Account.MESH else store_user(role.value), "password": secrets[role],
-                 "permissions": account_permissions(role, subjects, account).server_block()} for role in Role]
+    """The config's ``accounts``: MESH (no JetStream: core traffic) holds each role's user; STORE (JetStream)
+    each role's ``<role>@store`` user, same password, and the teams' users; LEDGER (JetStream: the usage streams
+    only) the ``<role>@ledger`` user of the roles that use them (infermesh/bus_roles.py)."""
+    def users(account: Account, roles: Iterable[Role] = Role) -> list[dict[str, object]]:
+        return [{"user": account_user(role, account), "password": secrets[role],
+                 "permissions": account_permissions(role, subjects, account).server_block()} for role in roles]
 
     return {Account.MESH.value: {"users": users(Account.MESH)},
             Account.STORE.value: {"jetstream": "enabled",
-                                  "users": [*users(Account.STORE), *server_users(subjects, team_secrets)]}}
+                                  "users": [*users(Account.STORE), *server_users(subjects, team_secrets)]},
+            Account.LEDGER.value: {"jetstream": "enabled",
+                                   "users": users(Account.LEDGER, [r for r in Role if r in LEDGER_ROLES])}}
 
 
 def nats_url(port: int, tls: TlsFiles | None, host: str = "127.0.0.1") -> str:

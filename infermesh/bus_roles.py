@@ -1,12 +1,16 @@
 """Who may do what on a locked bus: one NATS user per service role, each with publish and subscribe allow lists.
 
-Two accounts (``Account``): nats-server does not check a JetStream push consumer's ``deliver_subject`` against
+Three accounts (``Account``): nats-server does not check a JetStream push consumer's ``deliver_subject`` against
 its maker's permissions, so wherever a role may make a consumer it may deliver anywhere in that account. MESH
 has no JetStream (no consumer can be made there) and carries every core subject; STORE holds the streams, KV
-buckets and object stores, and nothing listens there but private inboxes and the streams (which store a
-delivery, if at all, under its original subject: see docs/architecture.md). Each role has a user in each,
-``<role>`` and ``<role>@store`` (``store_user``), one password; ``account_permissions`` splits ``permissions``
-between them (``in_store``: ``$JS``, ``$KV``, ``$O`` and the streams' subjects). Team users are in STORE only.
+buckets and object stores but the usage ones, and nothing listens there but private inboxes and the streams
+(which store a delivery, if at all, under its original subject: see docs/architecture.md); LEDGER holds only
+the usage stream and its dead-letter stream, and only metering (a consumer on usage) and admin (one on the dead
+letters) make consumers there, so no other role's delivery can take the room of unread usage. Each role has a
+user in MESH and STORE, ``<role>`` and ``<role>@store`` (``store_user``), and the edge, metering, admission and
+admin one in LEDGER, ``<role>@ledger`` (``ledger_user``, ``LEDGER_ROLES``), one password; ``account_permissions``
+splits ``permissions`` between them (``account_of``: the usage streams' subjects and API calls are LEDGER's,
+other ``$JS``, ``$KV``, ``$O`` and stream subjects STORE's, the rest MESH's). Team users are in STORE only.
 
 Derived from ``shared/subjects.py`` (``<ns>`` is the namespace; a KV put is a publish on ``$KV.<bucket>.<key>``,
 a KV read a consumer on ``KV_<bucket>`` or a direct get; JetStream API calls are publishes on ``$JS.API.>``):
@@ -14,23 +18,24 @@ a KV read a consumer on ``KV_<bucket>`` or a direct get; JetStream API calls are
 | role      | publishes                                                       | subscribes                      |
 |-----------|-----------------------------------------------------------------|---------------------------------|
 | edge      | router.route, worker.*.generate/abort/ping, admission.*,        | stream.> (token streams),       |
-|           | outcome.*, usage (JetStream); the orphans consumer's acks;      | edge.*.ping, edge.*.revoked,    |
+|           | outcome.*, usage (LEDGER); the orphans consumer's acks;         | edge.*.ping, edge.*.revoked,    |
 |           | batch.api.* (the Batch API, asked of the batch service),        | batch.line (queue edges)        |
 |           | responses.api.* (stored responses, asked of metering)           |                                 |
 | router    | router.decisions, worker.*.kv_replay/kv_snapshot; replies       | router.route, router.*.explain, |
 |           |                                                                 | router.decisions, kv.*, load.*  |
-| admission | replies (lease grants); the usage stream's info (last sequence) | admission.*                     |
+| admission | replies (lease grants); the usage stream's info (LEDGER)        | admission.*                     |
 |           | edge.*.revoked (a batch lease taken back), edge.*.ping (gone?)  |                                 |
 | breaker   | breaker.transitions                                             | outcome.*                       |
-| metering  | acks on the usage stream, usage_dlq (dead letters, JetStream);  | metering.keys_changed, usage    |
-|           | replies (stored responses)                                      | (durable consumer),             |
+| metering  | acks on the usage stream, usage_dlq (dead letters; both in      | metering.keys_changed, usage    |
+|           | LEDGER); replies (stored responses)                             | (durable consumer, LEDGER),     |
 |           |                                                                 | responses.api.*                 |
 | worker    | stream.> (tokens), load.*, kv.*, orphans.* (JetStream),         | worker.>                        |
 |           | edge.*.ping; replies (load, kv pages, pong)                     |                                 |
 | batch     | batch.line (asks an edge), batch.results.> and batch.events.>   | batch.api.*                     |
 |           | (JetStream); the submissions consumer's acks; replies           |                                 |
 | admin     | metering.keys_changed, worker.*.load/ping, edge.*.ping,         | —                               |
-|           | router.*.explain; creates the buckets and streams (provision)   |                                 |
+|           | router.*.explain; creates the buckets and streams (provision;   |                                 |
+|           | the usage ones in LEDGER), reads the dead letters (LEDGER)      |                                 |
 
 A team's own program on the bus (``infermesh/batch_client.py``) connects as the team's user, ``team-<team>``
 (``team_permissions``; made with ``infermesh teams bus-user``): it publishes ``batch.submit.<team>`` and no
@@ -70,6 +75,14 @@ stream's, which on a stream that exists is a no-op or refused, never a change. A
 purge that store's stream and no other (deleting an object purges its chunks): a stray purge there loses files,
 never another stream's messages. Responders answer only ``_INBOX.`` reply subjects (``shared.bus.is_reply_inbox``):
 NATS lets a reply through whatever the responder's own deny list says.
+
+In LEDGER the edge publishes usage (and sends its stream's ``STREAM.CREATE``/``INFO``), admission reads the usage
+stream's info: neither makes a consumer. Metering's consumers are on the usage stream, admin's on the dead
+letters; a push consumer of theirs may deliver onto ``<ns>.usage`` or ``<ns>.usage_dlq``, where the stream stores
+it under its original subject: metering's usage messages come back to it as usage (a duplicate: the ledger's
+unique (request_id, attempt) key drops it) or sit among the dead letters; admin's dead letters in the usage
+stream stay under ``<ns>.usage_dlq``, which metering's consumer (filtered on ``<ns>.usage``) never reads. Either
+can take room there, as both already can by their own rights (metering acks usage, admin provisions).
 """
 
 from __future__ import annotations
@@ -87,13 +100,16 @@ RESPONSE_WINDOW = "5m"  # how long a received request may still be answered (adm
 
 
 class Account(enum.StrEnum):
-    """The locked server's two NATS accounts (see the module docstring): core traffic, and JetStream."""
+    """The locked server's three NATS accounts (see the module docstring): core traffic, JetStream, and the
+    usage streams."""
 
     MESH = "MESH"
     STORE = "STORE"
+    LEDGER = "LEDGER"
 
 
 STORE_USER_SUFFIX = "@store"  # a role's user in STORE: <role>@store (same password as its MESH user)
+LEDGER_USER_SUFFIX = "@ledger"  # a role's user in LEDGER: <role>@ledger (LEDGER_ROLES only; same password)
 
 
 class Role(enum.StrEnum):
@@ -107,6 +123,7 @@ class Role(enum.StrEnum):
     ADMIN = "admin"
 
 
+LEDGER_ROLES = frozenset({Role.EDGE, Role.METERING, Role.ADMISSION, Role.ADMIN})  # the roles with a LEDGER user
 SERVICE_ROLES = {f"services.{r.value}": r for r in Role if r is not Role.ADMIN}  # service module -> its role
 TEAM_USER_PREFIX = "team-"  # a team's NATS user: team-<team> (team names are letters, digits, '_' and '-')
 
@@ -270,25 +287,42 @@ def store_user(user: str) -> str:
     return f"{user}{STORE_USER_SUFFIX}"
 
 
-def in_store(subject: str, s: Subjects) -> bool:
-    """Whether a subject (or pattern) belongs to STORE: the JetStream API, KV and object store subjects, and the
-    subjects a stream captures; everything else is MESH's core traffic."""
-    ns = s.namespace
-    return (subject.startswith(("$JS.", "$KV.", "$O.")) or subject in (s.usage, s.usage_dead_letters)
-            or subject.startswith((f"{ns}.orphans.", f"{ns}.batch.submit.", f"{ns}.batch.results.",
-                                   f"{ns}.batch.events.")))
+def ledger_user(user: str) -> str:
+    return f"{user}{LEDGER_USER_SUFFIX}"
+
+
+def account_user(role: Role, account: Account) -> str:
+    """The role's user name in ``account``."""
+    return {Account.MESH: role.value, Account.STORE: store_user(role.value),
+            Account.LEDGER: ledger_user(role.value)}[account]
+
+
+def ledger_streams(s: Subjects) -> tuple[str, ...]:
+    return (s.usage_stream, s.usage_dead_letter_stream)
+
+
+def account_of(subject: str, s: Subjects) -> Account:
+    """The account a subject (or pattern) belongs to: LEDGER, the usage streams' subjects and the JetStream API
+    calls, acks and flow control naming those streams; STORE, the other JetStream, KV and object store subjects
+    and the subjects a stream captures; MESH, everything else (core traffic)."""
+    ns, tokens = s.namespace, subject.split(".")
+    if subject in (s.usage, s.usage_dead_letters) or (tokens[0] == "$JS" and set(tokens[1:]) & set(ledger_streams(s))):
+        return Account.LEDGER
+    if subject.startswith(("$JS.", "$KV.", "$O.", f"{ns}.orphans.", f"{ns}.batch.submit.", f"{ns}.batch.results.",
+                           f"{ns}.batch.events.")):
+        return Account.STORE
+    return Account.MESH
 
 
 def account_permissions(role: Role, subjects: Subjects, account: Account) -> Permissions:
     """The part of ``permissions`` that applies in ``account``: MESH, the core subjects (and answering requests);
-    STORE, JetStream, with replies on the store user's own inbox only. The denials go to both."""
+    STORE and LEDGER, their JetStream subjects, with replies on the role's own inbox there only. The denials go
+    to every account."""
     whole = permissions(role, subjects)
-    ours = (lambda subject: in_store(subject, subjects)) if account is Account.STORE else (
-        lambda subject: not in_store(subject, subjects))
-    inbox = f"{INBOX}.{store_user(role.value)}.>" if account is Account.STORE else f"{INBOX}.{role.value}.>"
     return Permissions(
-        publish=tuple(p for p in whole.publish if ours(p)),
-        subscribe=(inbox, *(p for p in whole.subscribe[1:] if ours(p))),
+        publish=tuple(p for p in whole.publish if account_of(p, subjects) is account),
+        subscribe=(f"{INBOX}.{account_user(role, account)}.>",
+                   *(p for p in whole.subscribe[1:] if account_of(p, subjects) is account)),
         deny_publish=whole.deny_publish, deny_subscribe=whole.deny_subscribe,
         responds=whole.responds and account is Account.MESH)
 

@@ -9,13 +9,15 @@
 
 | folder            | what                                                   | mounted into (volume subpath)   |
 |-------------------|--------------------------------------------------------|---------------------------------|
-| ``nats/``         | ``nats.json``: the server config, its two accounts     | nats                            |
-|                   | (MESH, STORE: ``infermesh/bus_roles.py``), a user per  |                                 |
-|                   | role in each                                           |                                 |
+| ``nats/``         | ``nats.json``: the server config, its three accounts   | nats                            |
+|                   | (MESH, STORE, LEDGER: ``infermesh/bus_roles.py``), a   |                                 |
+|                   | user per role in each (LEDGER: the usage streams'      |                                 |
+|                   | users only)                                            |                                 |
 | ``postgres/``     | ``password`` (0644: the postgres image reads it as its | postgres                        |
 |                   | own user)                                              |                                 |
 | ``<service>/``    | one file per environment variable the service gets:    | that service                    |
 |                   | ``INFERMESH_NATS_USER`` / ``_STORE_USER`` /            |                                 |
+|                   | ``_LEDGER_USER`` (edge, metering, admission, admin) /  |                                 |
 |                   | ``_PASSWORD`` (its role),                              |                                 |
 |                   | the ledger's ``INFERMESH_DATABASE_URL`` (metering,     |                                 |
 |                   | batch), ``INFERMESH_DEV_KEY`` and                      |                                 |
@@ -39,7 +41,7 @@ import sys
 from pathlib import Path
 
 from infermesh.bus_auth import load_or_create_secrets, provision, server_config
-from infermesh.bus_roles import Role, store_user
+from infermesh.bus_roles import LEDGER_ROLES, Role, ledger_user, store_user
 from infermesh.private_files import write_private
 from shared.nats_auth import NatsCredentials
 from shared.subjects import Subjects
@@ -89,8 +91,10 @@ def init(folder: Path, namespace: str = "im", nats_listen: str = "0.0.0.0:4222",
 
 
 def role_env(role: Role, roles: dict[Role, str]) -> dict[str, str]:
-    """A service's NATS variables: its role's user in MESH, its user in STORE, their password."""
-    return {"INFERMESH_NATS_USER": role.value, "INFERMESH_NATS_STORE_USER": store_user(role.value),
+    """A service's NATS variables: its role's user in MESH, its user in STORE (and in LEDGER for the roles that
+    use the usage streams), their password."""
+    ledger = {"INFERMESH_NATS_LEDGER_USER": ledger_user(role.value)} if role in LEDGER_ROLES else {}
+    return {"INFERMESH_NATS_USER": role.value, "INFERMESH_NATS_STORE_USER": store_user(role.value), **ledger,
             "INFERMESH_NATS_PASSWORD": roles[role]}
 
 

@@ -50,13 +50,18 @@ class Bus:
 
     On a locked bus (``infermesh/bus_roles.py``) a service holds two connections: ``nc`` in the MESH account for
     core publish, subscribe and request, ``store`` in the STORE account for JetStream (``js``: streams, KV, object
-    stores), which no core traffic uses. On an open server (tests, dev) they are one connection."""
+    stores), which no core traffic uses; and a service that uses the usage streams (edge, metering, admission,
+    admin) a third, ``ledger`` in the LEDGER account (``ledger_js``: the usage stream and its dead letters, and
+    nothing else). On an open server (tests, dev) they are one connection."""
 
-    def __init__(self, nc: NatsClient, subjects: Subjects, store: NatsClient | None = None) -> None:
+    def __init__(self, nc: NatsClient, subjects: Subjects, store: NatsClient | None = None,
+                 ledger: NatsClient | None = None) -> None:
         self.nc = nc
         self.store = store or nc
+        self.ledger = ledger or self.store
         self.subjects = subjects
         self.js = self.store.jetstream()
+        self.ledger_js = self.js if self.ledger is self.store else self.ledger.jetstream()
         self.refusals: deque[str] = deque(maxlen=100)  # the server's permission violations (Bus.connect fills it)
         self._reconnect: Callable[[str], Awaitable["Bus"]] | None = None
         # called after the client reconnected (NATS restarted, a network blip): what was in flight may be lost
@@ -70,13 +75,14 @@ class Bus:
 
     @property
     def is_connected(self) -> bool:
-        return self.nc.is_connected and self.store.is_connected
+        return self.nc.is_connected and self.store.is_connected and self.ledger.is_connected
 
     @classmethod
     async def connect(cls, url: str, namespace: str, name: str, credentials: NatsCredentials | None = None) -> "Bus":
         """Connect as ``credentials`` (default: the ``INFERMESH_NATS_*`` env vars, see ``shared/nats_auth.py``) to
         ``url``, or to any of a cluster's servers given comma-separated (the client learns the others from the one
-        it reaches, and moves to them when that one is lost); with a store user, a second connection as it.
+        it reaches, and moves to them when that one is lost); with a store user, a second connection as it, and
+        with a ledger user a third.
 
         An unreachable server is retried forever; credentials or a certificate the server refuses raise
         BusError at once (retrying cannot help). Permission violations later are logged and kept, the
@@ -84,22 +90,24 @@ class Bus:
         credentials = NatsCredentials.from_env() if credentials is None else credentials
         refusals: deque[str] = deque(maxlen=100)
         listeners: list[Callable[[], None]] = []
-        nc = await _open(url, name, credentials, refusals, listeners)
-        store = None
-        if credentials.store_user:
-            try:
-                store = await _open(url, f"{name}@store", credentials.store(), refusals, listeners)
-            except BaseException:
-                await nc.close()
-                raise
-        bus = cls(nc, Subjects(namespace), store)
+        opened = [await _open(url, name, credentials, refusals, listeners)]
+        try:
+            for account, user, who in (("store", credentials.store_user, credentials.store()),
+                                       ("ledger", credentials.ledger_user, credentials.ledger())):
+                opened.append(await _open(url, f"{name}@{account}", who, refusals, listeners) if user else None)
+        except BaseException:
+            for nc in opened:
+                if nc is not None:
+                    await nc.close()
+            raise
+        bus = cls(opened[0], Subjects(namespace), opened[1], opened[2])
         bus.refusals = refusals
         bus.on_reconnected = listeners
         bus._reconnect = lambda again: cls.connect(url, namespace, again, credentials)
         return bus
 
     async def close(self) -> None:
-        for nc in dict.fromkeys((self.nc, self.store)):
+        for nc in dict.fromkeys((self.nc, self.store, self.ledger)):
             if not nc.is_closed:
                 await nc.drain()
 

@@ -35,6 +35,7 @@ class BusConfig:
     nats_tls_cert: str = ""
     nats_tls_key: str = ""
     nats_store_user: str = ""  # the role's user in the STORE account (JetStream); empty: one account (open server)
+    nats_ledger_user: str = ""  # its user in the LEDGER account (the usage streams); empty: STORE's connection
     # Prometheus /metrics and /health on a port of their own (shared/metrics.py): -1 none, 0 any free port. Not
     # on the API's port: the GenAI histograms carry team labels
     metrics_port: int = -1
@@ -45,7 +46,7 @@ class BusConfig:
         if INHERITED is not None:
             return INHERITED
         return NatsCredentials(self.nats_user, self.nats_password, self.nats_creds, self.nats_tls_ca,
-                               self.nats_tls_cert, self.nats_tls_key, self.nats_store_user)
+                               self.nats_tls_cert, self.nats_tls_key, self.nats_store_user, self.nats_ledger_user)
 
 
 def _base_type(annotation: Any) -> type:

@@ -1,8 +1,9 @@
 """How a process proves who it is to NATS and checks the server: a user and password or a creds file, and TLS.
 
-    credentials = NatsCredentials.from_env()    # INFERMESH_NATS_USER, _PASSWORD, _STORE_USER, _CREDS, _TLS_*
+    credentials = NatsCredentials.from_env()    # INFERMESH_NATS_USER, _PASSWORD, _STORE_USER, _LEDGER_USER, ...
     nc = await nats.connect(url, **credentials.connect_options(url))              # the MESH account: core
     store = await nats.connect(url, **credentials.store().connect_options(url))   # the STORE account: JetStream
+    ledger = await nats.connect(url, **credentials.ledger().connect_options(url))  # LEDGER: the usage streams
     child_env = credentials.env()                # the same variables, for a child process (never its argv)
     read_fd, child_env = credentials.pipe_to_child()   # or through a pipe it inherits: no secret in its env
 
@@ -11,6 +12,7 @@
 | ``user``       | ``INFERMESH_NATS_USER``       | the NATS user (``infermesh up``: the service's role)            |
 | ``password``   | ``INFERMESH_NATS_PASSWORD``   | its password (needs ``user``)                                   |
 | ``store_user`` | ``INFERMESH_NATS_STORE_USER`` | the role's user in the STORE account (JetStream), same password |
+| ``ledger_user``| ``INFERMESH_NATS_LEDGER_USER``| its user in the LEDGER account (the usage streams), same one    |
 | ``creds_file`` | ``INFERMESH_NATS_CREDS``      | a ``.creds`` file (JWT + nkey seed) instead of user/password    |
 | ``tls_ca``     | ``INFERMESH_NATS_TLS_CA``     | the CA that signed the server's certificate (else the system's) |
 | ``tls_cert``   | ``INFERMESH_NATS_TLS_CERT``   | a client certificate, for servers that verify clients           |
@@ -35,7 +37,7 @@ from typing import Any, Mapping
 
 ENV = {"user": "INFERMESH_NATS_USER", "password": "INFERMESH_NATS_PASSWORD", "creds_file": "INFERMESH_NATS_CREDS",
        "tls_ca": "INFERMESH_NATS_TLS_CA", "tls_cert": "INFERMESH_NATS_TLS_CERT", "tls_key": "INFERMESH_NATS_TLS_KEY",
-       "store_user": "INFERMESH_NATS_STORE_USER"}
+       "store_user": "INFERMESH_NATS_STORE_USER", "ledger_user": "INFERMESH_NATS_LEDGER_USER"}
 CREDENTIALS_FD = "INFERMESH_NATS_CREDENTIALS_FD"  # an inherited pipe holding the credentials (JSON), read once
 INBOX = "_INBOX"
 
@@ -51,6 +53,7 @@ class NatsCredentials:
     tls_cert: str = ""
     tls_key: str = ""
     store_user: str = ""
+    ledger_user: str = ""
 
     def __post_init__(self) -> None:
         if self.password and not self.user:
@@ -59,9 +62,9 @@ class NatsCredentials:
             raise ValueError("give either a NATS user and password or a creds file, not both")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("a NATS client certificate needs its key, and the key its certificate")
-        if self.store_user and not self.user:
-            raise ValueError("a NATS store user goes with a user and password (INFERMESH_NATS_USER)")
-        for user in (self.user, self.store_user):
+        if (self.store_user or self.ledger_user) and not self.user:
+            raise ValueError("a NATS store or ledger user goes with a user and password (INFERMESH_NATS_USER)")
+        for user in (self.user, self.store_user, self.ledger_user):
             if any(c in user for c in ". *>\t\r\n"):
                 raise ValueError(f"NATS user {user!r} must be one subject token (it names the user's inbox)")
 
@@ -75,7 +78,12 @@ class NatsCredentials:
 
     def store(self) -> "NatsCredentials":
         """Who connects to the STORE account (JetStream): the store user, same password; self if there is none."""
-        return replace(self, user=self.store_user, store_user="") if self.store_user else self
+        return replace(self, user=self.store_user, store_user="", ledger_user="") if self.store_user else self
+
+    def ledger(self) -> "NatsCredentials":
+        """Who connects to the LEDGER account (the usage streams): the ledger user, same password; else whoever
+        connects to STORE (a role with no ledger user, or an open server)."""
+        return replace(self, user=self.ledger_user, store_user="", ledger_user="") if self.ledger_user else self.store()
 
     def pipe_to_child(self) -> tuple[int, dict[str, str]]:
         """A pipe holding these credentials (the child inherits its read end: pass it in ``pass_fds``, then close

@@ -14,6 +14,12 @@ A usage message metering can never write (undecodable, invalid, refused by the d
 the dead-letter stream ``<ns>_usage_dlq`` as a ``DeadLetter`` (``ensure_dead_letter_stream``), kept
 30 days for an operator to read and replay; its ``Nats-Msg-Id`` is its usage stream sequence, so a
 message dead-lettered twice (metering died before its ack) is kept once.
+
+Both streams are on the bus's ledger connection (``bus.ledger_js``: the LEDGER account of a locked bus, where no
+other stream is and only metering and admin make consumers; ``infermesh/bus_roles.py``). Both discard new: a
+full stream refuses a publish (the edge's outbox keeps the usage and retries; metering leaves the message unacked)
+rather than evicting usage metering has not read. A stream that exists keeps its config (made before: discard
+old, until an operator updates it).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import asyncio
 import logging
 import random
 
-from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 
 from shared import schema
@@ -59,12 +65,13 @@ def dead_letter_id(stream_seq: int) -> str:
 
 
 async def _ensure_stream(bus: Bus, name: str, subject: str, max_age_s: float, max_bytes: int) -> None:
-    """The stream, its ``max_bytes`` reserved (shared/storage_caps.py): no other stream filling up takes its room."""
+    """The stream, its ``max_bytes`` reserved (shared/storage_caps.py): no other stream filling up takes its room;
+    full, it refuses new messages (``DiscardPolicy.NEW``) and never evicts unread ones."""
     config = StreamConfig(name=name, subjects=[subject], retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
                           max_age=max_age_s, duplicate_window=DUPLICATE_WINDOW_S,
-                          num_replicas=stream_replicas(), max_bytes=max_bytes)
+                          num_replicas=stream_replicas(), max_bytes=max_bytes, discard=DiscardPolicy.NEW)
     try:
-        await bus.js.add_stream(config)
+        await bus.ledger_js.add_stream(config)
     except BadRequestError:  # it exists with another config (an operator changed it): keep theirs
         log.info("stream %s exists with its own config", config.name)
 
@@ -185,7 +192,8 @@ class UsagePublisher:
         while True:
             try:
                 async with self._attempts:
-                    ack = await self.bus.js.publish(self.bus.subjects.usage, data, headers=headers, timeout=2.0)
+                    ack = await self.bus.ledger_js.publish(self.bus.subjects.usage, data, headers=headers,
+                                                           timeout=2.0)
                 self.published += 1
                 return ack.seq
             except asyncio.CancelledError:

@@ -30,6 +30,7 @@ from shared.subjects import Subjects
 from tests.utils import wait_for_port
 
 OBSERVER = NatsCredentials("observer", "observer-password")  # tests only: sees JetStream's state, changes nothing
+LEDGER_OBSERVER = NatsCredentials("observer@ledger", "observer-password")  # the same, in the LEDGER account
 VIOLATION = re.compile(r"(Publish|Subscription) Violation|Permissions Violation|authentication error")
 
 
@@ -55,18 +56,20 @@ class LockedNats:
     def start(self, teams: tuple[str, ...] = (), observer: bool = False) -> "LockedNats":
         """Started with a user for each of ``teams``, and recorded as ``up`` records its server, so
         ``team_bus_users.reload_team_users(self.secrets_dir)`` adds a team to it as it runs. With ``observer``, a
-        test-only user beside JetStream (``OBSERVER``) that may read stream and consumer info."""
+        test-only user beside JetStream (``OBSERVER`` in STORE, ``LEDGER_OBSERVER`` in LEDGER) that may read stream
+        and consumer info."""
         self.secrets = load_or_create_secrets(self.secrets_dir)
         for team in teams:
             add_team_user(self.secrets_dir, team)
         port = free_port()
         config = server_config(port, self.folder / "store", Subjects(self.namespace), self.secrets, self.tls,
                                team_secrets=load_team_secrets(self.secrets_dir), pid_file=self.folder / "nats.pid")
-        if observer:
-            users = config["accounts"]["STORE"]["users"] if "accounts" in config else config["authorization"]["users"]
-            users.append({"user": OBSERVER.user, "password": OBSERVER.password, "permissions": {  # type: ignore
-                "publish": {"allow": ["$JS.API.CONSUMER.INFO.>", "$JS.API.STREAM.INFO.>", "$JS.API.STREAM.MSG.GET.>"]},
-                "subscribe": {"allow": [f"_INBOX.{OBSERVER.user}.>"]}}})
+        for account, user in (("STORE", OBSERVER), ("LEDGER", LEDGER_OBSERVER)) if observer else ():
+            config["accounts"][account]["users"].append({  # type: ignore[index]
+                "user": user.user, "password": user.password, "permissions": {
+                    "publish": {"allow": ["$JS.API.CONSUMER.INFO.>", "$JS.API.STREAM.INFO.>",
+                                          "$JS.API.STREAM.MSG.GET.>"]},
+                    "subscribe": {"allow": [f"_INBOX.{user.user}.>"]}}})
         write_private(self.folder / "nats.json", json.dumps(config))
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen([nats_server_binary(), "-c", str(self.folder / "nats.json")],

@@ -66,7 +66,7 @@ class LeaseStore:
     async def usage_last_seq(self) -> int | None:
         """The usage stream's last sequence (0: no stream, so no usage was ever sent); None if it cannot be read."""
         try:
-            info = await self.bus.js.stream_info(self.bus.subjects.usage_stream)
+            info = await self.bus.ledger_js.stream_info(self.bus.subjects.usage_stream)  # LEDGER, when locked
         except NotFoundError:
             return 0
         except Exception as exc:

@@ -47,7 +47,7 @@ class DeadLetters:
         letter = dead_letter(msg, reason, error, time.time())
         log.error("usage message (seq %d) dead-lettered as %s: %s", letter.stream_seq, reason, letter.error)
         try:
-            await self.bus.js.publish(self.bus.subjects.usage_dead_letters, schema.encode(letter),
+            await self.bus.ledger_js.publish(self.bus.subjects.usage_dead_letters, schema.encode(letter),
                                       headers=traced({"Nats-Msg-Id": dead_letter_id(letter.stream_seq)}),
                                       timeout=PUBLISH_TIMEOUT_S)
         except Exception as exc:

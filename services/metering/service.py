@@ -89,7 +89,7 @@ class MeteringService:
                               await ensure_bucket(self.bus, s.billing_bucket))
         await self.views.load_published()
         await self._until_database(self._sync, "sync keys, prices and spend")
-        self._sub = await self.bus.js.pull_subscribe(
+        self._sub = await self.bus.ledger_js.pull_subscribe(  # the LEDGER account on a locked bus
             s.usage, durable=self.config.consumer, stream=s.usage_stream,
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=self.config.ack_wait_s,
                                   deliver_policy=DeliverPolicy.ALL, max_ack_pending=50_000, filter_subject=s.usage))

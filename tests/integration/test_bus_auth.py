@@ -75,10 +75,12 @@ def usage(request_id: str) -> UsageEvent:
     return UsageEvent(request_id, 0, "research", "", "tiny", "finished", "length", 5, 0, 3, 1.0, 2.0, "sim-0")
 
 
-async def refused_put(locked: LockedNats, bus: Bus, subject: str, data: bytes = b"forged") -> None:
-    """A JetStream publish that must be refused: no ack comes, and the server logs the violation."""
+async def refused_put(locked: LockedNats, bus: Bus, subject: str, data: bytes = b"forged",
+                      ledger: bool = False) -> None:
+    """A JetStream publish (on the bus's ledger connection if ``ledger``) that must be refused: no ack comes, and
+    the server logs the violation."""
     with pytest.raises(nats.errors.TimeoutError):
-        await bus.js.publish(subject, data, timeout=REFUSED_S)
+        await (bus.ledger_js if ledger else bus.js).publish(subject, data, timeout=REFUSED_S)
     await locked.wait_for_violation(f'Subject "{subject}"')
 
 
@@ -125,15 +127,15 @@ async def test_edges_publish_usage_and_metering_consumes_it_but_no_other_role_ca
     await ensure_usage_stream(metering)
     assert await UsagePublisher(edge).publish(usage("r-1")) == 1
     s = metering.subjects
-    sub = await metering.js.pull_subscribe(s.usage, durable="metering", stream=s.usage_stream)
+    sub = await metering.ledger_js.pull_subscribe(s.usage, durable="metering", stream=s.usage_stream)
     (msg,) = await sub.fetch(1, timeout=2)
     assert schema.decode(msg.data, UsageEvent).request_id == "r-1"
     await msg.ack()
     assert locked.violations() == []
     for role in (Role.WORKER, Role.ROUTER, Role.ADMISSION, Role.METERING, Role.ADMIN):
         forger = metering if role is Role.METERING else await connect(locked, role)
-        await refused_put(locked, forger, s.usage, schema.encode(usage(f"forged-by-{role}")))
-    assert (await metering.js.stream_info(s.usage_stream)).state.messages == 1
+        await refused_put(locked, forger, s.usage, schema.encode(usage(f"forged-by-{role}")), ledger=True)
+    assert (await metering.ledger_js.stream_info(s.usage_stream)).state.messages == 1
 
 
 async def test_only_metering_writes_api_keys_and_budgets_and_edges_and_admission_follow_them(locked):
@@ -331,8 +333,9 @@ async def test_no_role_can_delete_purge_or_redefine_a_stream(locked):
             await locked.wait_for_violation(f'Subject "{subject}"')
     # the edge may re-create the usage stream (a no-op), never redefine it to capture token streams
     with pytest.raises(nats.js.errors.BadRequestError):
-        await edge.js.add_stream(StreamConfig(name=s.usage_stream, subjects=[s.usage, f"{s.namespace}.stream.>"]))
-    assert (await edge.js.stream_info(s.usage_stream)).config.subjects == [s.usage]
+        await edge.ledger_js.add_stream(StreamConfig(name=s.usage_stream,
+                                                     subjects=[s.usage, f"{s.namespace}.stream.>"]))
+    assert (await edge.ledger_js.stream_info(s.usage_stream)).config.subjects == [s.usage]
 
 
 # ---------------------------------------------------------------- TLS

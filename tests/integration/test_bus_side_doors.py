@@ -8,7 +8,9 @@ and JetStream in STORE, where nothing but private inboxes and the streams themse
 to no one a service reads: nobody listens in its account (``push_bound`` false), and the service's own
 subscription then hears the real sender's message first. On one account (the code before) the work, batch line
 and keys_changed probes failed: the service's subscription was interest for the consumer, which delivered the
-forged bytes to it; the two marked guard held there too.
+forged bytes to it; the two marked guard held there too. The usage streams are alone in a third account, LEDGER,
+where none of these roles makes a consumer: on two accounts a delivery onto ``<ns>.usage`` or ``<ns>.usage_dlq``
+was stored there, taking the room of usage metering had not read yet.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from services.edge.batch_lines import QUEUE
 from shared import schema
 from shared.bus import Bus
 from shared.schema import UsageEvent
+from shared.subjects import Subjects
 from shared.usage import ensure_usage_stream
-from tests.locked_nats import OBSERVER, LockedNats
+from tests.locked_nats import LEDGER_OBSERVER, OBSERVER, LockedNats
 
 pytestmark = [pytest.mark.integration]
 REFUSED_S = 2.0  # a consumer create the server refuses gets no answer
@@ -59,8 +62,10 @@ async def team_bus(locked: LockedNats, team: str) -> Bus:
     return connected
 
 
-async def observer(locked: LockedNats):
-    nc = await nats.connect(locked.url, **OBSERVER.connect_options(locked.url))
+async def observer(locked: LockedNats, ledger: bool = False):
+    """The test's observer in STORE (or in LEDGER, the usage streams'): reads stream and consumer info."""
+    who = LEDGER_OBSERVER if ledger else OBSERVER
+    nc = await nats.connect(locked.url, **who.connect_options(locked.url))
     locked.opened.append(nc)  # type: ignore[attr-defined]
     return nc.jetstream()
 
@@ -148,9 +153,41 @@ async def test_a_team_user_cannot_tell_metering_keys_changed_nor_submit_as_anoth
     assert info.state.messages == 0
 
 
-async def test_a_delivery_into_the_usage_stream_is_never_read_as_usage(locked):
-    """Guard (held on one account too): the usage stream stores a delivery under its original subject, which
-    metering's consumer, filtered on ``<ns>.usage``, never reads; a delivery onto the JetStream API is no call."""
+async def usage_counts(locked: LockedNats) -> tuple[int, int]:
+    """How many messages the usage stream and its dead-letter stream hold (as the test's observer sees them)."""
+    js, s = await observer(locked, ledger=True), Subjects(locked.namespace)
+    return tuple([(await js.stream_info(name)).state.messages  # type: ignore[return-value]
+                  for name in (s.usage_stream, s.usage_dead_letter_stream)])
+
+
+@pytest.mark.parametrize("attacker", [Role.WORKER, Role.ROUTER, Role.BREAKER, Role.ADMISSION, "team"])
+async def test_no_role_nor_team_can_deliver_into_the_usage_streams(locked, attacker):
+    """On two accounts (the code before) the usage streams were in STORE beside every stream a role may read:
+    a consumer delivering onto ``<ns>.usage`` or ``<ns>.usage_dlq`` had each delivery stored there, taking the
+    room of unread usage (a flood evicted it). Now they are in LEDGER, where these roles make no consumer, and
+    nothing in STORE captures those subjects: the consumer has no one to deliver to, and nothing is stored."""
+    worker, batch = await bus(locked, Role.WORKER), await bus(locked, Role.BATCH)
+    s = worker.subjects
+    if attacker == "team":
+        prober, own = await team_bus(locked, "research"), s.batch_events("research", "job-1")
+        await batch.js.publish(own, b'{"status": "completed"}')
+        stream = s.batch_events_stream
+    else:
+        prober, own = (worker if attacker is Role.WORKER else await bus(locked, attacker)), None
+        stream = await forged_worker_record(worker)  # every one of them reads the workers bucket
+    before = await usage_counts(locked)
+    for target in (s.usage, s.usage_dead_letters):
+        consumer = await side_door(prober, stream, target, own)
+        if consumer:
+            info = await (await observer(locked)).consumer_info(stream, consumer)
+            assert not info.push_bound, f"{consumer} delivers into a usage stream ({target})"
+    assert await usage_counts(locked) == before
+
+
+async def test_metering_reads_only_the_real_usage_after_deliveries_onto_usage_and_the_jetstream_api(locked):
+    """Guard: a delivery onto the JetStream API is no call (held on one account too); a delivery onto
+    ``<ns>.usage`` is not stored (on two accounts it was, under its original subject, which metering's consumer,
+    filtered on ``<ns>.usage``, never read)."""
     worker, edge = await bus(locked, Role.WORKER), await bus(locked, Role.EDGE)
     metering = await bus(locked, Role.METERING)
     s = edge.subjects
@@ -159,8 +196,9 @@ async def test_a_delivery_into_the_usage_stream_is_never_read_as_usage(locked):
     for target in (s.usage, f"$JS.API.STREAM.PURGE.{s.usage_stream}"):
         await side_door(worker, stream, target)
     real = UsageEvent("r-real", 0, "research", "", "tiny", "finished", "length", 5, 0, 3, 1.0, 2.0, "sim-0")
-    await edge.js.publish(s.usage, schema.encode(real))
-    sub = await metering.js.pull_subscribe(s.usage, durable="metering", stream=s.usage_stream)
+    await edge.ledger_js.publish(s.usage, schema.encode(real))
+    sub = await metering.ledger_js.pull_subscribe(s.usage, durable="metering", stream=s.usage_stream)
     (msg,) = await sub.fetch(1, timeout=5)
     assert schema.decode(msg.data, UsageEvent).request_id == "r-real"
-    assert msg.metadata.num_pending == 0  # nothing else under <ns>.usage
+    assert msg.metadata.num_pending == 0 and msg.metadata.sequence.stream == 1  # nothing stored before it
+    assert await usage_counts(locked) == (1, 0)

@@ -37,6 +37,7 @@ def test_init_makes_each_secret_once_and_each_service_gets_only_its_own(tmp_path
     assert edge["INFERMESH_DEV_KEY"] == key and edge["INFERMESH_NATS_USER"] == "edge"
     assert set(router) == {"INFERMESH_NATS_USER", "INFERMESH_NATS_STORE_USER", "INFERMESH_NATS_PASSWORD"}  # no key
     assert router["INFERMESH_NATS_STORE_USER"] == "router@store"  # its user in the STORE account
+    assert metering["INFERMESH_NATS_LEDGER_USER"] == "metering@ledger"  # and in LEDGER: the usage streams
     password = (folder / "postgres" / "password").read_text()
     assert metering["INFERMESH_DATABASE_URL"] == f"postgresql://postgres:{password}@postgres:5432/infermesh"
     assert "INFERMESH_DATABASE_URL" not in edge
@@ -71,6 +72,7 @@ async def test_the_generated_config_locks_the_bus_and_provision_and_run_use_it(t
         edge = await Bus.connect(url, namespace, "edge", NatsCredentials.from_env(env_of(folder / "edge")))
         try:
             await edge.js.key_value(edge.subjects.api_keys_bucket)  # provisioned: the edge reads it
+            await edge.ledger_js.stream_info(edge.subjects.usage_stream)  # in LEDGER, through its ledger user
         finally:
             await edge.close()
         shown = subprocess.run([sys.executable, "-m", "infermesh.deploy_secrets", "run", str(folder / "breaker"),

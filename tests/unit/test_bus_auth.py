@@ -9,12 +9,13 @@ import pytest
 
 from infermesh.bus_auth import SECRETS_FILE, admin_credentials, load_or_create_secrets, server_config, tls_files
 from infermesh.bus_roles import (
+    LEDGER_ROLES,
     SERVICE_ROLES,
     Account,
     Role,
+    account_of,
     account_permissions,
     buckets,
-    in_store,
     permissions,
     team_permissions,
 )
@@ -105,18 +106,29 @@ def test_every_role_reads_replies_only_on_its_own_inbox_and_answers_only_when_it
     assert len(buckets(S)) == len(set(buckets(S)))
 
 
-def test_core_traffic_and_jetstream_are_split_between_the_two_accounts():
-    """MESH carries no JetStream subject (it has no JetStream: no consumer there), STORE no core subject and no
-    subscription but the store user's own inbox (a consumer's delivery there reaches no service)."""
+def test_core_traffic_jetstream_and_the_usage_streams_are_split_between_the_three_accounts():
+    """MESH carries no JetStream subject (it has no JetStream: no consumer there), STORE and LEDGER no core subject
+    and no subscription but the user's own inbox (a consumer's delivery there reaches no service); LEDGER has the
+    usage streams alone, and only metering and admin make consumers there."""
     for role in Role:
-        mesh, store = (account_permissions(role, S, account) for account in (Account.MESH, Account.STORE))
-        assert not [p for p in mesh.publish if in_store(p, S)] and not [p for p in store.publish if not in_store(p, S)]
-        assert set(mesh.publish) | set(store.publish) == set(ALL[role].publish)  # nothing lost in the split
-        assert mesh.subscribe == ALL[role].subscribe and store.subscribe == (f"_INBOX.{role}@store.>",)
-        assert not store.responds and mesh.responds == ALL[role].responds
-    assert in_store("im.usage", S) and in_store("im.batch.submit.kappa", S) and in_store("$KV.im_workers.w", S)
-    assert not in_store("im.batch.line", S) and not in_store("im.worker.w.generate", S)
-    assert not in_store("im.metering.keys_changed", S) and not in_store("im.stream.e1.r1", S)
+        split = {account: account_permissions(role, S, account) for account in Account}
+        for account, part in split.items():
+            assert all(account_of(p, S) is account for p in part.publish), (role, account)
+        assert {p for part in split.values() for p in part.publish} == set(ALL[role].publish)  # nothing lost
+        assert split[Account.MESH].subscribe == ALL[role].subscribe
+        assert split[Account.STORE].subscribe == (f"_INBOX.{role}@store.>",)
+        assert split[Account.LEDGER].subscribe == (f"_INBOX.{role}@ledger.>",)
+        assert [a for a, part in split.items() if part.responds] == ([Account.MESH] if ALL[role].responds else [])
+        consumers = [p for p in split[Account.LEDGER].publish if ".CONSUMER.CREATE." in p]
+        assert bool(consumers) is (role in (Role.METERING, Role.ADMIN)), role
+        assert bool(split[Account.LEDGER].publish) is (role in LEDGER_ROLES), role
+    assert {account_of(s, S) for s in ("im.usage", "im.usage_dlq", "$JS.API.STREAM.INFO.im_usage",
+                                       "$JS.API.CONSUMER.CREATE.im_usage_dlq.>", "$JS.ACK.im_usage.>")} == {
+        Account.LEDGER}
+    assert {account_of(s, S) for s in ("im.batch.submit.kappa", "$KV.im_workers.w", "$JS.API.STREAM.INFO.im_orphans",
+                                       "$JS.API.CONSUMER.CREATE.KV_im_workers.>")} == {Account.STORE}
+    assert {account_of(s, S) for s in ("im.batch.line", "im.worker.w.generate", "im.metering.keys_changed",
+                                       "im.stream.e1.r1")} == {Account.MESH}
 
 
 KAPPA = team_permissions("kappa", S)
@@ -201,7 +213,8 @@ def test_the_admin_cli_uses_the_env_credentials_else_the_stored_admin_else_none(
         monkeypatch.delenv(var, raising=False)
     assert admin_credentials(tmp_path) == NatsCredentials()
     secrets = load_or_create_secrets(tmp_path)
-    assert admin_credentials(tmp_path) == NatsCredentials("admin", secrets[Role.ADMIN], store_user="admin@store")
+    assert admin_credentials(tmp_path) == NatsCredentials("admin", secrets[Role.ADMIN], store_user="admin@store",
+                                                          ledger_user="admin@ledger")
     monkeypatch.setenv("INFERMESH_NATS_USER", "ops")
     monkeypatch.setenv("INFERMESH_NATS_PASSWORD", "theirs")
     assert admin_credentials(tmp_path) == NatsCredentials("ops", "theirs")
@@ -210,11 +223,13 @@ def test_the_admin_cli_uses_the_env_credentials_else_the_stored_admin_else_none(
 def test_the_server_config_has_a_user_per_role_and_tls_when_asked(tmp_path):
     secrets = load_or_create_secrets(tmp_path)
     config = server_config(4222, tmp_path / "js", S, secrets)
-    mesh, store = config["accounts"]["MESH"], config["accounts"]["STORE"]  # type: ignore[index]
+    mesh, store, ledger = (config["accounts"][a] for a in ("MESH", "STORE", "LEDGER"))  # type: ignore[index]
     users = {u["user"]: u for u in mesh["users"]}
     assert set(users) == {r.value for r in Role} and users["edge"]["password"] == secrets[Role.EDGE]
     assert {u["user"]: u["password"] for u in store["users"]} == {f"{r.value}@store": secrets[r] for r in Role}
-    assert store["jetstream"] == "enabled" and "jetstream" not in mesh  # no consumer can be made in MESH
+    assert {u["user"]: u["password"] for u in ledger["users"]} == {
+        f"{r.value}@ledger": secrets[r] for r in (Role.EDGE, Role.ADMISSION, Role.METERING, Role.ADMIN)}
+    assert store["jetstream"] == ledger["jetstream"] == "enabled" and "jetstream" not in mesh  # no consumer in MESH
     assert config["listen"] == "127.0.0.1:4222" and "tls" not in config
     tls = tls_files("cert.pem", "key.pem", "ca.pem")
     assert tls is not None and tls.cert.startswith("/")
