@@ -16,12 +16,20 @@ What it talks to (``services/batch``; on a locked bus the team's own user, ``tea
 for its own team and nothing for another: ``infermesh teams bus-user TEAM`` makes it, ``team_credentials(TEAM)``
 reads it back; ``infermesh/bus_roles.py`` says how):
 
-| call        | bus                                                                                        |
-|-------------|--------------------------------------------------------------------------------------------|
-| ``submit``  | a JetStream publish of a BatchSubmit on ``<ns>.batch.submit.<team>``, ``Nats-Msg-Id`` set   |
-| ``status``  | a direct get of the last message of ``<ns>.batch.events.<team>.<job>`` (one kept per job)  |
-| ``follow``  | a named ordered consumer on that subject, delivering its last message first: no polling    |
-| ``results`` | a named ordered consumer on ``<ns>.batch.results.<team>.<job>``, until none is pending     |
+| call        | bus                                                                                         |
+|-------------|---------------------------------------------------------------------------------------------|
+| ``submit``  | a JetStream publish of a BatchSubmit on ``<ns>.batch.submit.<team>``, ``Nats-Msg-Id`` set    |
+| ``status``  | a request on ``<ns>.batch.team.<team>.status``: the job as the service's ledger holds it      |
+| ``follow``  | requests on ``<ns>.batch.team.<team>.follow``, each a long poll: the job once it changed     |
+|             | from the revision the client has, or as it is after ``FOLLOW_WAIT_S``: no polling            |
+| ``results`` | requests on ``<ns>.batch.team.<team>.results``, a page of results after a stream sequence,  |
+|             | until a page is not full                                                                    |
+
+A team makes no JetStream consumer and calls no JetStream API (a consumer could deliver anywhere in the streams'
+account): its reads are core request/reply, answered by the batch service (services/batch/team_reads.py), which
+takes the team from the subject. While no service answers (a new leader taking over) or it says to wait (429:
+the team's follows at once), the client asks again: ``follow`` for as long as the job takes, ``status`` and
+``results`` for ``READ_TIMEOUT_S``, then BusError.
 
 Invariants: a submission's job id is ``job_id_for(team, submit_id)``, known before the service has seen it;
 the same ``submit_id`` makes one job however often it is published (the service keeps one job per team and
@@ -35,28 +43,42 @@ through ``/v1/files`` and ``/v1/batches``.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
-import uuid
+from dataclasses import replace
 from typing import AsyncIterator
 
 import msgspec
-from nats.js.api import ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError
 
+from infermesh.bus_roles import store_user, team_user
 from shared.batch_schema import (
     MAX_SUBMIT_ID,
     TERMINAL_STATUSES,
     BatchJobRecord,
     BatchLineResult,
     BatchSubmit,
+    BatchTeamRead,
+    BatchTeamReply,
+    BatchTeamRequest,
     job_id_for,
 )
-from shared.bus import Bus
+from shared.bus import Bus, BusError, NoResponder
 from shared.nats_auth import NatsCredentials
 from shared.telemetry import traced
 
-READ_TIMEOUT_S = 10.0  # a message the stream says it holds comes at once; this long means the bus is gone
+READ_TIMEOUT_S = 10.0  # no answer to a status or results read for this long means the bus or the service is gone
+FOLLOW_WAIT_S = 20.0  # a follow's long poll: answered at the job's change, or after this long as it is
+ASK_AGAIN_S = 0.5  # no batch service answered (a leader being elected): asked again after this
+RESULTS_PAGE = 256  # results asked for at once (the service may send fewer)
+
+
+class BatchReadError(BusError):
+    """The batch service refused a read (a job id that is no job id: 400; its own error: 500)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
 
 
 def jsonl(lines: list[dict]) -> bytes:
@@ -81,7 +103,10 @@ class BatchClient:
     async def connect(cls, nats_url: str, namespace: str, team: str,
                       credentials: NatsCredentials | None = None) -> "BatchClient":
         """Connect as ``credentials`` (default: the ``INFERMESH_NATS_*`` env vars; on a locked bus the team's own
-        user, ``infermesh.team_bus_users.team_credentials(team)``)."""
+        user, ``infermesh.team_bus_users.team_credentials(team)``: ``team-<team>`` for its reads, and its
+        ``team-<team>@store``, same password, for its submissions, added here if not given)."""
+        if credentials is not None and credentials.user == team_user(team) and not credentials.store_user:
+            credentials = replace(credentials, store_user=store_user(credentials.user))
         return cls(await Bus.connect(nats_url, namespace, f"batch-client-{team}", credentials), team)
 
     async def close(self) -> None:
@@ -116,60 +141,63 @@ class BatchClient:
 
     # ------------------------------------------------------------ out
     async def status(self, job_id: str) -> BatchJobRecord | None:
-        """The job as the service last reported it; None before the service has made it (or an unknown id)."""
-        s = self.bus.subjects
-        try:  # a direct get names the subject in its API subject: a team user may ask it for its own jobs only
-            msg = await self.bus.js.get_last_msg(s.batch_events_stream, s.batch_events(self.team, job_id),
-                                                 direct=True)
-        except NotFoundError:
-            return None
-        return msgspec.json.decode(msg.data or b"", type=BatchJobRecord)
+        """The job as the service last saved it; None before the service has made it (or an unknown id)."""
+        return (await self._ask("status", BatchTeamRequest(job_id=job_id), READ_TIMEOUT_S)).job
 
     async def follow(self, job_id: str) -> AsyncIterator[BatchJobRecord]:
         """The job's record now (once it exists) and after each change, ending with its terminal one.
 
         Waits as long as the job takes: bound it with ``asyncio.timeout`` if you must."""
-        s = self.bus.subjects
-        sub = await self.bus.js.subscribe(s.batch_events(self.team, job_id), ordered_consumer=True,
-                                          deliver_policy=DeliverPolicy.LAST, stream=s.batch_events_stream,
-                                          config=_named())
-        try:
-            while True:
-                msg = await sub.next_msg(timeout=None)
-                record = msgspec.json.decode(msg.data, type=BatchJobRecord)
-                yield record
-                if record.status in TERMINAL_STATUSES:
-                    return
-        finally:
-            await sub.unsubscribe()
+        revision = ""
+        while True:
+            reply = await self._ask("follow", BatchTeamRequest(job_id=job_id, revision=revision,
+                                                               wait_s=FOLLOW_WAIT_S), None)
+            if reply.job is None or reply.revision == revision:  # the wait ended with no change: ask again
+                continue
+            revision = reply.revision
+            yield reply.job
+            if reply.job.status in TERMINAL_STATUSES:
+                return
 
     async def results(self, job_id: str) -> AsyncIterator[BatchLineResult]:
         """Each line's result the stream holds now, once per line, in the order lines ended.
 
         Complete once the job has ended (the service publishes every line's result before the terminal record);
         while it runs, the lines ended so far."""
-        job = await self.status(job_id)
-        if job is None or not job.request_counts.completed + job.request_counts.failed:
-            return  # no line ended yet (a line's result is published before it is counted)
-        s = self.bus.subjects
-        sub = await self.bus.js.subscribe(s.batch_results(self.team, job_id), ordered_consumer=True,
-                                          deliver_policy=DeliverPolicy.ALL, stream=s.batch_results_stream,
-                                          config=_named())
-        seen: set[int] = set()
-        try:
-            while True:
-                msg = await sub.next_msg(timeout=READ_TIMEOUT_S)
-                result = msgspec.json.decode(msg.data, type=BatchLineResult)
+        after, seen = 0, set()
+        while True:
+            page = await self._ask("results", BatchTeamRequest(job_id=job_id, after=after, limit=RESULTS_PAGE),
+                                   READ_TIMEOUT_S)
+            for result in page.results:
                 if result.line_index not in seen:  # a line that ended twice (a rerun after a crash): its first
                     seen.add(result.line_index)
                     yield result
-                if msg.metadata.num_pending == 0:  # the last the stream holds for this job now
-                    return
-        finally:
-            await sub.unsubscribe()
+            if not page.more:
+                return
+            after = page.last
 
-
-def _named() -> ConsumerConfig:
-    """A consumer with a name: its create request then carries its filter subject in the API subject
-    (``CONSUMER.CREATE.<stream>.<name>.<filter>``), which is what a team user's permissions check."""
-    return ConsumerConfig(name=f"batch-client-{uuid.uuid4().hex[:16]}")
+    async def _ask(self, read: BatchTeamRead, request: BatchTeamRequest, patience_s: float | None) -> BatchTeamReply:
+        """The batch service's answer, asked again while none comes or it says to wait, for ``patience_s`` (None:
+        for good); a refusal raises BatchReadError."""
+        loop = asyncio.get_running_loop()
+        give_up = None if patience_s is None else loop.time() + patience_s
+        subject = self.bus.subjects.batch_team(self.team, read)
+        while True:
+            pause = ASK_AGAIN_S
+            try:
+                reply = await self.bus.request(subject, request, BatchTeamReply,
+                                               timeout=request.wait_s + READ_TIMEOUT_S)
+            except NoResponder:
+                pass
+            except BusError:  # no answer in time: the leader went away while it waited
+                pause = 0.0
+            else:
+                if reply.error_status == 429:
+                    pause = reply.retry_after_s
+                elif reply.error_status:
+                    raise BatchReadError(reply.error_status, reply.error_message)
+                else:
+                    return reply
+            if give_up is not None and loop.time() + pause > give_up:
+                raise BusError(f"the batch service did not answer {read} of {request.job_id} in {patience_s}s")
+            await asyncio.sleep(pause)

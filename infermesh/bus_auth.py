@@ -115,16 +115,17 @@ def server_config(port: int, store_dir: Path, subjects: Subjects, secrets: dict[
 
 def server_accounts(subjects: Subjects, secrets: Mapping[Role, str],
                     team_secrets: Mapping[str, str]) -> dict[str, dict[str, object]]:
-    """The config's ``accounts``: MESH (no JetStream: core traffic) holds each role's user; STORE (JetStream)
-    each role's ``<role>@store`` user, same password, and the teams' users; LEDGER (JetStream: the usage streams
-    only) the ``<role>@ledger`` user of the roles that use them (infermesh/bus_roles.py)."""
+    """The config's ``accounts``: MESH (no JetStream: core traffic) holds each role's user and each team's;
+    STORE (JetStream) each role's ``<role>@store`` user, same password, and each team's; LEDGER (JetStream: the
+    usage streams only) the ``<role>@ledger`` user of the roles that use them (infermesh/bus_roles.py)."""
     def users(account: Account, roles: Iterable[Role] = Role) -> list[dict[str, object]]:
         return [{"user": account_user(role, account), "password": secrets[role],
                  "permissions": account_permissions(role, subjects, account).server_block()} for role in roles]
 
-    return {Account.MESH.value: {"users": users(Account.MESH)},
+    return {Account.MESH.value: {"users": [*users(Account.MESH), *server_users(subjects, team_secrets, Account.MESH)]},
             Account.STORE.value: {"jetstream": "enabled",
-                                  "users": [*users(Account.STORE), *server_users(subjects, team_secrets)]},
+                                  "users": [*users(Account.STORE),
+                                            *server_users(subjects, team_secrets, Account.STORE)]},
             Account.LEDGER.value: {"jetstream": "enabled",
                                    "users": users(Account.LEDGER, [r for r in Role if r in LEDGER_ROLES])}}
 

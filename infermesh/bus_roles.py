@@ -10,7 +10,8 @@ letters) make consumers there, so no other role's delivery can take the room of 
 user in MESH and STORE, ``<role>`` and ``<role>@store`` (``store_user``), and the edge, metering, admission and
 admin one in LEDGER, ``<role>@ledger`` (``ledger_user``, ``LEDGER_ROLES``), one password; ``account_permissions``
 splits ``permissions`` between them (``account_of``: the usage streams' subjects and API calls are LEDGER's,
-other ``$JS``, ``$KV``, ``$O`` and stream subjects STORE's, the rest MESH's). Team users are in STORE only.
+other ``$JS``, ``$KV``, ``$O`` and stream subjects STORE's, the rest MESH's). A team has a user in MESH and
+STORE, ``team-<team>`` and ``team-<team>@store``, and none in LEDGER.
 
 Derived from ``shared/subjects.py`` (``<ns>`` is the namespace; a KV put is a publish on ``$KV.<bucket>.<key>``,
 a KV read a consumer on ``KV_<bucket>`` or a direct get; JetStream API calls are publishes on ``$JS.API.>``):
@@ -31,19 +32,19 @@ a KV read a consumer on ``KV_<bucket>`` or a direct get; JetStream API calls are
 |           |                                                                 | responses.api.*                 |
 | worker    | stream.> (tokens), load.*, kv.*, orphans.* (JetStream),         | worker.>                        |
 |           | edge.*.ping; replies (load, kv pages, pong)                     |                                 |
-| batch     | batch.line (asks an edge), batch.results.> and batch.events.>   | batch.api.*                     |
-|           | (JetStream); the submissions consumer's acks; replies           |                                 |
+| batch     | batch.line (asks an edge), batch.results.> and batch.events.>   | batch.api.*, batch.team.*.*     |
+|           | (JetStream); the submissions consumer's acks; replies           | (a team's reads of its jobs)    |
 | admin     | metering.keys_changed, worker.*.load/ping, edge.*.ping,         | —                               |
 |           | router.*.explain; creates the buckets and streams (provision;   |                                 |
 |           | the usage ones in LEDGER), reads the dead letters (LEDGER)      |                                 |
 
 A team's own program on the bus (``infermesh/batch_client.py``) connects as the team's user, ``team-<team>``
-(``team_permissions``; made with ``infermesh teams bus-user``): it publishes ``batch.submit.<team>`` and no
-other team's; it reads back only its own team's jobs: consumers on the events and results streams whose filter
-(in the API subject, ``CONSUMER.CREATE.<stream>.<name>.<filter>``) is under ``batch.<events|results>.<team>.``,
-and direct gets of its own events (``DIRECT.GET.<stream>.<subject>``). Calls that name no subject (the legacy
-``CONSUMER.CREATE.<stream>``, ``STREAM.MSG.GET``, stream info with a subjects filter) are not granted, so it
-cannot list or read another team's jobs.
+(``team_permissions``; made with ``infermesh teams bus-user``). In STORE it publishes ``batch.submit.<team>``
+(a JetStream publish and its ack) and no other team's, and calls no JetStream API: it makes no consumer, so it
+cannot have one deliver onto another stream's subjects (nats-server does not check a ``deliver_subject``),
+replaying its results into the shared batch streams until they are full. In MESH it asks the batch service for
+its own jobs, ``batch.team.<team>.{status,follow,results}`` (services/batch/team_reads.py), and no other team's:
+the service takes the team from the subject. It subscribes only its own inbox in each account.
 
 | role      | KV writes            | KV reads                    |
 |-----------|----------------------|-----------------------------|
@@ -90,6 +91,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from shared.batch_schema import BATCH_TEAM_READS
 from shared.nats_auth import INBOX
 from shared.subjects import Subjects
 
@@ -224,7 +226,7 @@ def _grants(role: Role, s: Subjects) -> tuple[tuple[str, ...], tuple[str, ...], 
                  *stream_read(s.batch_results_stream), *stream_publish(s.batch_events_stream, s.batch_events_all),
                  *stream_consume(s.batch_submit_stream), *kv_writes(s.batch_bucket),
                  *object_store_access(s.files_bucket)),
-                (f"{ns}.batch.api.*",), frozenset({s.batch_bucket, s.files_bucket}), True)
+                (f"{ns}.batch.api.*", s.batch_team_all), frozenset({s.batch_bucket, s.files_bucket}), True)
     if role is Role.ROUTER:
         return ((s.route_decisions, f"{worker}.kv_replay", f"{worker}.kv_snapshot", *kv_reads(s.workers_bucket),
                  *kv_writes(s.breakers_bucket), *kv_writes(s.sessions_bucket)),
@@ -331,14 +333,14 @@ def team_user(team: str) -> str:
     return f"{TEAM_USER_PREFIX}{team}"
 
 
-def team_permissions(team: str, s: Subjects) -> Permissions:
-    """A team's program: its own submissions, its own jobs' events and results (see the module docstring)."""
-    publish = [s.batch_submit(team)]
-    for stream, own in ((s.batch_events_stream, s.batch_events_of(team)),
-                        (s.batch_results_stream, s.batch_results_of(team))):
-        publish += [f"{JS}.CONSUMER.CREATE.{stream}.*.{own}", f"{JS}.CONSUMER.DELETE.{stream}.*", f"$JS.FC.{stream}.>"]
-    publish.append(f"{JS}.DIRECT.GET.{s.batch_events_stream}.{s.batch_events_of(team)}")
-    deny = (*ALWAYS_DENIED, *(f"$KV.{b}.>" for b in buckets(s)), *(f"$O.{b}.>" for b in object_stores(s)),
-            *(subject for owned in OWN_PUBLISH.values() for subject in owned(s)))
-    return Permissions(publish=tuple(publish), subscribe=(f"{INBOX}.{team_user(team)}.>",), deny_publish=deny,
+def team_permissions(team: str, s: Subjects, account: Account) -> Permissions:
+    """A team's program (see the module docstring): in MESH, its reads of its own jobs, asked of the batch service
+    (``batch.team.<team>.<read>``); in STORE, its own submissions (a publish and its ack) and no JetStream API call,
+    so no consumer, whose deliveries nats-server would not check. It has no user in LEDGER."""
+    if account is Account.MESH:
+        publish, user = tuple(s.batch_team(team, read) for read in BATCH_TEAM_READS), team_user(team)
+    else:
+        publish, user = (s.batch_submit(team),), store_user(team_user(team))
+    deny = ("$JS.>", "$KV.>", "$O.>", *(subject for owned in OWN_PUBLISH.values() for subject in owned(s)))
+    return Permissions(publish=publish, subscribe=(f"{INBOX}.{user}.>",), deny_publish=deny,
                        deny_subscribe=(f"{s.namespace}.stream.>",), responds=False)

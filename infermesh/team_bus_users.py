@@ -4,11 +4,12 @@
     reload_team_users(data_dir())                       # the running locked server now knows team-research
     credentials = team_credentials("research")           # what infermesh.batch_client connects with
 
-``up`` writes every team user into the STORE account of the server config it starts (``server_users``; a team
-has no user in MESH, so it reaches JetStream only) and records where that config and the server's pid file are
-(``nats-running.json`` beside the secrets); ``reload_team_users`` rewrites the config's team users and sends
-the server SIGHUP, which nats-server answers by reloading its users. A server that is not ``up``'s (a cluster,
-Kubernetes) takes the entries ``server_users`` gives into its STORE account.
+``up`` writes every team's two users into the server config it starts (``server_users``): ``team-<team>`` in
+MESH (its reads, asked of the batch service) and ``team-<team>@store`` in STORE (its submissions), one password;
+it records where that config and the server's pid file are (``nats-running.json`` beside the secrets);
+``reload_team_users`` rewrites the config's team users and sends the server SIGHUP, which nats-server answers by
+reloading its users. A server that is not ``up``'s (a cluster, Kubernetes) takes the entries ``server_users``
+gives for each of those two accounts.
 
 Invariants: passwords live only in the 0600 secrets file and the 0600 server config, never on a command line;
 a team user's permissions are ``bus_roles.team_permissions`` (its own submissions and jobs, nothing else); the
@@ -24,13 +25,13 @@ import signal
 from pathlib import Path
 from typing import Mapping
 
-from infermesh.bus_roles import TEAM_USER_PREFIX, Account, team_permissions, team_user
+from infermesh.bus_roles import TEAM_USER_PREFIX, Account, store_user, team_permissions, team_user
 from infermesh.private_files import data_dir, write_private
 from shared.nats_auth import NatsCredentials
 from shared.subjects import Subjects
 
 TEAM_SECRETS_FILE = "nats-team-credentials.json"
-STORE_ACCOUNT = Account.STORE.value
+TEAM_ACCOUNTS = (Account.MESH, Account.STORE)  # where a team has a user
 RUNNING_FILE = "nats-running.json"  # the locked server up runs: its config, pid file, namespace and URL
 SECRET_BYTES = 32
 
@@ -53,13 +54,15 @@ def team_credentials(team: str, folder: Path | None = None, tls_ca: str = "") ->
     password = load_team_secrets(folder or data_dir()).get(team)
     if password is None:
         raise KeyError(f"team {team!r} has no bus user: infermesh teams bus-user {team}")
-    return NatsCredentials(team_user(team), password, tls_ca=tls_ca)
+    return NatsCredentials(team_user(team), password, tls_ca=tls_ca, store_user=store_user(team_user(team)))
 
 
-def server_users(subjects: Subjects, team_secrets: Mapping[str, str]) -> list[dict[str, object]]:
-    """The nats-server user entries of these teams, for the STORE account (a team has no user in MESH)."""
-    return [{"user": team_user(team), "password": password,
-             "permissions": team_permissions(team, subjects).server_block()}
+def server_users(subjects: Subjects, team_secrets: Mapping[str, str], account: Account) -> list[dict[str, object]]:
+    """The nats-server user entries of these teams in ``account`` (MESH or STORE: ``TEAM_ACCOUNTS``)."""
+    if account not in TEAM_ACCOUNTS:
+        return []
+    return [{"user": team_user(team) if account is Account.MESH else store_user(team_user(team)),
+             "password": password, "permissions": team_permissions(team, subjects, account).server_block()}
             for team, password in sorted(team_secrets.items())]
 
 
@@ -83,9 +86,11 @@ def reload_team_users(folder: Path) -> bool:
     if not config_path.exists() or not pid_file.exists():
         return False
     config = json.loads(config_path.read_text())
-    store = config["accounts"][STORE_ACCOUNT]  # team users live in the STORE account only
-    users = [u for u in store["users"] if not str(u["user"]).startswith(TEAM_USER_PREFIX)]
-    store["users"] = users + server_users(Subjects(running["namespace"]), load_team_secrets(folder))
+    subjects, team_secrets = Subjects(running["namespace"]), load_team_secrets(folder)
+    for account in TEAM_ACCOUNTS:
+        entry = config["accounts"][account.value]
+        users = [u for u in entry["users"] if not str(u["user"]).startswith(TEAM_USER_PREFIX)]
+        entry["users"] = users + server_users(subjects, team_secrets, account)
     write_private(config_path, json.dumps(config, indent=1))
     pid = _nats_server_pid(pid_file)
     if pid is None:

@@ -167,3 +167,31 @@ class BatchSubmit(Struct, frozen=True, kw_only=True):
     input_file_id: str = ""
     completion_window: str = "24h"
     metadata: dict[str, str] | None = None
+
+
+# ---------------------------------------------------------------- a team's program <-> the batch service
+BatchTeamRead = Literal["status", "follow", "results"]  # <ns>.batch.team.<team>.<read> (services/batch/team_reads.py)
+BATCH_TEAM_READS: tuple[BatchTeamRead, ...] = ("status", "follow", "results")
+
+
+class BatchTeamRequest(Struct, frozen=True, kw_only=True):
+    """A team's read of one of its jobs; the team is the subject's, never the body's."""
+
+    job_id: str
+    revision: str = ""  # follow: the record's revision the caller has ("": none yet)
+    wait_s: float = 0.0  # follow: how long to wait for another revision (the service caps it)
+    after: int = 0  # results: the results stream's sequence after which to read
+    limit: int = 100  # results: at most this many (the service caps it)
+
+
+class BatchTeamReply(Struct, frozen=True, kw_only=True):
+    """The job and its revision (status, follow; None: no such job yet), or a page of results, or an error."""
+
+    job: BatchJobRecord | None = None
+    revision: str = ""
+    results: list[BatchLineResult] = []
+    last: int = 0  # results: the sequence of this page's last result (the next page's ``after``)
+    more: bool = False  # results: the page was full; ask for the next
+    error_status: int = 0  # 400 a bad job id, 429 too many follows at once, 500
+    error_message: str = ""
+    retry_after_s: float = 0.0

@@ -199,6 +199,16 @@ class Subjects:
         """The batch service's API for edges (create, retrieve, list, cancel): request/reply."""
         return f"{self.namespace}.batch.api.{_check_token(operation, 'batch operation')}"
 
+    def batch_team(self, team: str, read: str) -> str:
+        """A team's reads of its own jobs (``shared.batch_schema.BatchTeamRead``: status, follow, results), asked of
+        the batch service: request/reply; the service takes the team from the subject (a team user publishes its
+        own team's only)."""
+        return f"{self.namespace}.batch.team.{_check_token(team, 'team')}.{_check_token(read, 'batch team read')}"
+
+    @property
+    def batch_team_all(self) -> str:
+        return f"{self.namespace}.batch.team.*.*"
+
     def batch_submit(self, team: str) -> str:
         return f"{self.namespace}.batch.submit.{_check_token(team, 'team')}"
 

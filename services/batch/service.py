@@ -35,6 +35,7 @@ from services.batch.lines import too_large
 from services.batch.runner import Runner
 from services.batch.streams import ensure_batch_streams
 from services.batch.submissions import SubmissionConsumer
+from services.batch.team_reads import TeamReads
 from services.metering.db import create_engine, database_url, wait_for_schema
 from shared.batch_schema import (
     MAX_BATCH_FILE_BYTES,
@@ -73,6 +74,7 @@ class BatchService:
         self.files = FileStore(bus)
         self.runner = self._new_runner()
         self.submissions = SubmissionConsumer(bus, config, self._submitted, self._poisoned)
+        self.team_reads = TeamReads(bus, self.engine, config)  # a team's reads of its jobs (team_reads.py)
         self.metrics = service_registry("infermesh_batch", self._stats, lambda: {
             "leader": float(self.leadership.is_leader), "jobs_running": len(self.runner.runs),
             "submissions_consumer_up": float(self.submissions.up),
@@ -101,6 +103,7 @@ class BatchService:
         for operation in ("create", "retrieve", "list", "cancel"):
             self._subs.append(await self.bus.subscribe(self.bus.subjects.batch_api(operation), BatchApiRequest,
                                                        self._api(operation)))
+        await self.team_reads.start()
         await self.runner.start()
         unfinished = await store.unfinished_jobs(self.engine)
         self._resuming = asyncio.create_task(self._resume_all(unfinished), name="batch-resume")
@@ -110,6 +113,7 @@ class BatchService:
         for sub in self._subs:
             await sub.unsubscribe()
         self._subs.clear()
+        await self.team_reads.stop()
         await self.submissions.stop()
         await cancel_and_wait(self._resuming)
         await self.runner.stop()
@@ -130,6 +134,7 @@ class BatchService:
         await store.save_job(self.engine, record)
         await self.bus.js.publish(self.bus.subjects.batch_events(record.team, record.id), msgspec.json.encode(record),
                                   stream=self.bus.subjects.batch_events_stream, headers=traced())
+        self.team_reads.changed(record)
         return record
 
     # ------------------------------------------------------------ the API for edges

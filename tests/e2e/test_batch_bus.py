@@ -120,10 +120,11 @@ async def locked_mesh(tmp_path, namespace, tiny_model, ledger_url):
         locked.stop()
 
 
-async def refused(locked: LockedNats, client: BatchClient, subject: str, payload: bytes = b"forged") -> None:
-    """A publish or request the server refuses: nothing answers, and it logs the violation."""
+async def refused(locked: LockedNats, connection, subject: str, payload: bytes = b"forged") -> None:
+    """A publish or request the server refuses: nothing answers, and it logs the violation. ``connection``: a
+    team client's ``bus.store`` (STORE: the streams) or ``bus.nc`` (MESH: its reads)."""
     with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
-        await client.bus.nc.request(subject, payload, timeout=REFUSED_S)
+        await connection.request(subject, payload, timeout=REFUSED_S)
     await locked.wait_for_violation(f'Subject "{subject}"')
 
 
@@ -152,20 +153,24 @@ async def test_on_a_locked_bus_a_team_user_runs_its_own_jobs_and_reaches_no_othe
         assert (await followed(lam, theirs))[-1].request_counts.completed == 1
         assert locked.violations() == []
 
-        s = kappa.bus.subjects
+        s, store = kappa.bus.subjects, kappa.bus.store
         for forged in (s.batch_submit("lambda"), s.batch_results("kappa", "batch_forged"),
                        s.batch_events("kappa", "batch_forged")):  # billing another team; writing what only batch may
-            await refused(locked, kappa, forged)
+            await refused(locked, store, forged)
         assert await stored(locked, s.batch_submit_stream, s.batch_submit("lambda")) == 1  # lambda's own only
         assert await stored(locked, s.batch_results_stream, s.batch_results("kappa", "batch_forged")) == 0
-        # reading another team's job: its status, a consumer on its results, the stream's subject list
-        await refused(locked, kappa, f"$JS.API.DIRECT.GET.{s.batch_events_stream}.{s.batch_events('lambda', theirs)}",
+        # reading another team's job: asking for it, its status in the stream, a consumer on its results, the
+        # stream's subject list; and any consumer at all, even on its own results (it could deliver anywhere)
+        await refused(locked, kappa.bus.nc, s.batch_team("lambda", "status"), b"")
+        await refused(locked, store, f"$JS.API.DIRECT.GET.{s.batch_events_stream}.{s.batch_events('lambda', theirs)}",
                       b"")
         spy = f"$JS.API.CONSUMER.CREATE.{s.batch_results_stream}.spy.{s.batch_results('lambda', theirs)}"
-        await refused(locked, kappa, spy, b'{"stream_name": "x", "config": {"name": "spy"}}')
-        await refused(locked, kappa, f"$JS.API.STREAM.INFO.{s.batch_results_stream}", b'{"subjects_filter": ">"}')
+        await refused(locked, store, spy, b'{"stream_name": "x", "config": {"name": "spy"}}')
+        own = f"$JS.API.CONSUMER.CREATE.{s.batch_results_stream}.own.{s.batch_results('kappa', job_id)}"
+        await refused(locked, store, own, b'{"stream_name": "x", "config": {"name": "own"}}')
+        await refused(locked, store, f"$JS.API.STREAM.INFO.{s.batch_results_stream}", b'{"subjects_filter": ">"}')
         # the mesh ran the jobs as its roles, each team as its own user: those were the only refusals
-        assert len(locked.violations()) == 6
+        assert len(locked.violations()) == 8
     finally:
         await kappa.close()
         await lam.close()

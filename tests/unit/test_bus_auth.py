@@ -131,42 +131,53 @@ def test_core_traffic_jetstream_and_the_usage_streams_are_split_between_the_thre
                                        "im.stream.e1.r1")} == {Account.MESH}
 
 
-KAPPA = team_permissions("kappa", S)
+KAPPA = {account: team_permissions("kappa", S, account) for account in (Account.MESH, Account.STORE)}
 
 
-def team_may(check: str, subject: str) -> bool:
-    allow, deny = (KAPPA.publish, KAPPA.deny_publish) if check == "pub" else (KAPPA.subscribe, KAPPA.deny_subscribe)
+def team_may(account: Account, check: str, subject: str) -> bool:
+    p = KAPPA[account]
+    allow, deny = (p.publish, p.deny_publish) if check == "pub" else (p.subscribe, p.deny_subscribe)
     return any(_matches(a, subject) for a in allow) and not any(_matches(d, subject) for d in deny)
 
 
-@pytest.mark.parametrize("check, subject, allowed", [
-    ("pub", "im.batch.submit.kappa", True),
-    ("pub", "im.batch.submit.lambda", False),  # another team's jobs: billed to it
-    ("pub", "$JS.API.CONSUMER.CREATE.im_batch_events.c1.im.batch.events.kappa.batch_1", True),
-    ("pub", "$JS.API.CONSUMER.CREATE.im_batch_results.c1.im.batch.results.kappa.batch_1", True),
-    ("pub", "$JS.API.CONSUMER.CREATE.im_batch_events.c1.im.batch.events.lambda.batch_1", False),
-    ("pub", "$JS.API.CONSUMER.CREATE.im_batch_results.c1.im.batch.results.*.>", False),
-    ("pub", "$JS.API.CONSUMER.CREATE.im_batch_results", False),  # legacy: its filter is in the body
-    ("pub", "$JS.API.CONSUMER.CREATE.im_batch_results.c1", False),  # a name and no filter: every subject
-    ("pub", "$JS.API.DIRECT.GET.im_batch_events.im.batch.events.kappa.batch_1", True),
-    ("pub", "$JS.API.DIRECT.GET.im_batch_events.im.batch.events.lambda.batch_1", False),
-    ("pub", "$JS.API.DIRECT.GET.im_batch_events", False),  # by sequence: any team's
-    ("pub", "$JS.API.STREAM.MSG.GET.im_batch_results", False),
-    ("pub", "$JS.API.STREAM.INFO.im_batch_results", False),  # a subjects filter would list other teams' jobs
-    ("pub", "im.batch.results.kappa.batch_1", False),  # forging its own results or events
-    ("pub", "im.batch.events.kappa.batch_1", False),
-    ("pub", "im.batch.line", False),
-    ("pub", "im.usage", False),
-    ("pub", "$KV.im_api_keys.x", False),
-    ("sub", "_INBOX.team-kappa.abc", True),
-    ("sub", "_INBOX.team-lambda.abc", False),
-    ("sub", "_INBOX.batch.abc", False),
-    ("sub", "im.batch.results.kappa.batch_1", False),  # through its own consumers only
-    ("sub", "im.stream.e1.r1", False),
+MESH, STORE = Account.MESH, Account.STORE
+
+
+@pytest.mark.parametrize("account, check, subject, allowed", [
+    (STORE, "pub", "im.batch.submit.kappa", True),  # its submission (a JetStream publish: its ack on its inbox)
+    (STORE, "pub", "im.batch.submit.lambda", False),  # another team's jobs: billed to it
+    # no JetStream API call at all: no consumer (whose deliver_subject nats-server does not check), no get
+    (STORE, "pub", "$JS.API.CONSUMER.CREATE.im_batch_events.c1.im.batch.events.kappa.batch_1", False),
+    (STORE, "pub", "$JS.API.CONSUMER.CREATE.im_batch_results.c1.im.batch.results.kappa.batch_1", False),
+    (STORE, "pub", "$JS.API.CONSUMER.DURABLE.CREATE.im_batch_results.c1", False),
+    (STORE, "pub", "$JS.API.CONSUMER.CREATE.im_batch_results", False),
+    (STORE, "pub", "$JS.API.DIRECT.GET.im_batch_events.im.batch.events.kappa.batch_1", False),
+    (STORE, "pub", "$JS.API.STREAM.MSG.GET.im_batch_results", False),
+    (STORE, "pub", "$JS.API.STREAM.INFO.im_batch_results", False),
+    (STORE, "pub", "im.batch.results.kappa.batch_1", False),  # forging its own results or events
+    (STORE, "pub", "im.batch.events.kappa.batch_1", False),
+    (STORE, "pub", "$KV.im_api_keys.x", False),
+    (STORE, "sub", "_INBOX.team-kappa@store.abc", True),
+    (STORE, "sub", "_INBOX.team-lambda@store.abc", False),
+    (STORE, "sub", "im.batch.results.kappa.batch_1", False),
+    (MESH, "pub", "im.batch.team.kappa.status", True),  # its reads, asked of the batch service
+    (MESH, "pub", "im.batch.team.kappa.follow", True),
+    (MESH, "pub", "im.batch.team.kappa.results", True),
+    (MESH, "pub", "im.batch.team.lambda.status", False),  # another team's jobs
+    (MESH, "pub", "im.batch.team.kappa.cancel", False),  # reads only
+    (MESH, "pub", "im.batch.api.retrieve", False),  # the edges' API names the team in its body
+    (MESH, "pub", "im.batch.line", False),
+    (MESH, "pub", "im.usage", False),
+    (MESH, "sub", "_INBOX.team-kappa.abc", True),
+    (MESH, "sub", "_INBOX.team-lambda.abc", False),
+    (MESH, "sub", "_INBOX.batch.abc", False),
+    (MESH, "sub", "im.batch.team.kappa.status", False),  # it asks; only the batch service answers
+    (MESH, "sub", "im.stream.e1.r1", False),
 ])
-def test_a_team_user_reaches_its_own_batch_jobs_only(check, subject, allowed):
-    assert team_may(check, subject) is allowed
-    assert not KAPPA.responds
+def test_a_team_user_reaches_its_own_batch_jobs_only(account, check, subject, allowed):
+    assert team_may(account, check, subject) is allowed
+    assert not KAPPA[account].responds
+    assert account_of(KAPPA[MESH].publish[0], S) is MESH and account_of(KAPPA[STORE].publish[0], S) is STORE
 
 
 def test_credentials_travel_in_env_vars_that_the_service_configs_read():

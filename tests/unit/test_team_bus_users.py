@@ -19,6 +19,7 @@ from infermesh.team_bus_users import (
     reload_team_users,
     team_credentials,
 )
+from shared.batch_schema import BATCH_TEAM_READS
 from shared.subjects import Subjects
 
 
@@ -27,7 +28,8 @@ def test_a_team_user_is_made_once_readable_by_this_user_only(tmp_path):
     assert add_team_user(tmp_path, "kappa") == first and add_team_user(tmp_path, "lambda") != first
     assert stat.S_IMODE((tmp_path / TEAM_SECRETS_FILE).stat().st_mode) == 0o600
     credentials = team_credentials("kappa", tmp_path)
-    assert (credentials.user, credentials.password) == ("team-kappa", first)
+    assert (credentials.user, credentials.password, credentials.store_user) == ("team-kappa", first,
+                                                                                "team-kappa@store")
     with pytest.raises(KeyError, match="infermesh teams bus-user mu"):
         team_credentials("mu", tmp_path)
 
@@ -51,10 +53,13 @@ def test_a_reload_rewrites_the_team_users_and_keeps_the_roles(tmp_path):
     add_team_user(tmp_path, "lambda")
     assert not reload_team_users(tmp_path)  # its server is gone: the config is rewritten for the next start
     assert [u["user"] for u in _store_users(config_path)] == [
-        *(store_user(r.value) for r in Role), "team-kappa", "team-lambda"]
+        *(store_user(r.value) for r in Role), "team-kappa@store", "team-lambda@store"]
     mesh = json.loads(config_path.read_text())["accounts"]["MESH"]["users"]
-    assert [u["user"] for u in mesh] == [r.value for r in Role]  # a team has no user in MESH
-    kappa = next(u for u in _store_users(config_path) if u["user"] == "team-kappa")
+    assert [u["user"] for u in mesh] == [*(r.value for r in Role), "team-kappa", "team-lambda"]  # its reads
+    kappa = next(u for u in _store_users(config_path) if u["user"] == "team-kappa@store")
     assert kappa["password"] == team_credentials("kappa", tmp_path).password
-    assert kappa["permissions"]["publish"]["allow"][0] == "im.batch.submit.kappa"
+    assert kappa["permissions"]["publish"]["allow"] == ["im.batch.submit.kappa"]  # no JetStream API call
+    kappa = next(u for u in mesh if u["user"] == "team-kappa")
+    assert kappa["password"] == team_credentials("kappa", tmp_path).password
+    assert kappa["permissions"]["publish"]["allow"] == [f"im.batch.team.kappa.{r}" for r in BATCH_TEAM_READS]
     assert stat.S_IMODE(config_path.stat().st_mode) == 0o600
