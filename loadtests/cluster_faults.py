@@ -86,7 +86,7 @@ async def _until_metered(mesh: ClusterMesh, limit_s: float = 120.0) -> float:
     try:
         while time.monotonic() - start < limit_s:
             try:
-                info = await bus.js.consumer_info(bus.subjects.usage_stream, MeteringConfig().consumer)
+                info = await bus.ledger_js.consumer_info(bus.subjects.usage_stream, MeteringConfig().consumer)
                 if info.num_pending == 0 and info.num_ack_pending == 0:
                     return time.monotonic() - start
             except Exception:  # a server being elected: ask again
@@ -100,7 +100,7 @@ async def _until_metered(mesh: ClusterMesh, limit_s: float = 120.0) -> float:
 async def _usage_leader(mesh: ClusterMesh) -> str:
     bus = await mesh.bus()
     try:
-        return (await bus.js.stream_info(bus.subjects.usage_stream)).cluster.leader
+        return (await bus.ledger_js.stream_info(bus.subjects.usage_stream)).cluster.leader
     finally:
         await bus.close()
 

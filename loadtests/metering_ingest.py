@@ -110,14 +110,14 @@ async def publish(bus: Bus, event: UsageEvent) -> None:
     """Onto the stream without waiting for JetStream's ack: the bench's one process stands for many edges,
     and an acked publish per event would make it, not metering, the bottleneck on two cores (the edge's
     ``UsagePublisher`` does wait; its cost is the edge's). Dedupe ids as the edge sets them."""
-    await bus.nc.publish(bus.subjects.usage, schema.encode(event), headers={"Nats-Msg-Id": dedupe_id(event)})
+    await bus.ledger.publish(bus.subjects.usage, schema.encode(event), headers={"Nats-Msg-Id": dedupe_id(event)})
 
 
 async def publish_all(bus: Bus, events: list[UsageEvent]) -> None:
     for event in events:
         await publish(bus, event)
     await bus.nc.flush()
-    while (await bus.js.stream_info(bus.subjects.usage_stream)).state.messages < len(events):
+    while (await bus.ledger_js.stream_info(bus.subjects.usage_stream)).state.messages < len(events):
         await asyncio.sleep(0.05)
 
 
@@ -155,7 +155,7 @@ async def run_one(kind: str, args: argparse.Namespace, group: ProcessGroup, nats
     try:
         await ensure_usage_stream(bus)
         events = [make_event(rng, i, time.time()) for i in range(args.events)]
-        before = (await bus.js.stream_info(bus.subjects.usage_stream)).state.messages
+        before = (await bus.ledger_js.stream_info(bus.subjects.usage_stream)).state.messages
         await publish_all(bus, events)
         assert before == 0
         metering = Metering(group, nats_url, namespace, url)
