@@ -5,6 +5,7 @@ ledger database, run line by line on idle capacity (runner.py), billed once per 
     team --BatchSubmit (JSON, Nats-Msg-Id)--> <ns>.batch.submit.<team> (JetStream) --> a job, once
     <ns>.batch.events.<team>.<job>   the job after each change (JSON BatchJobRecord; the stream keeps the last)
     <ns>.batch.results.<team>.<job>  one BatchLineResult (JSON) per line
+    team --BatchTeamRequest--> <ns>.batch.team.<team>.{status,follow,results} --> BatchTeamReply (team_reads.py)
 
 One replica at a time runs jobs and answers (leader election on the ``<ns>_batch`` bucket, as admission's);
 another takes over within ``leader_ttl_s`` and resumes every unfinished job from the database and the results
