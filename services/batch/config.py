@@ -33,6 +33,7 @@ class BatchConfig(BusConfig):
     max_follows_per_team: int = 8  # a team's follows (long polls, team_reads.py) waiting at once; one more: 429
     follow_wait_max_s: float = 20.0  # the longest a follow waits for a change before it answers as things are
     results_page_max: int = 256  # results a team's page holds at most (each one message get)
+    max_reads_per_team: int = 4  # a team's status and results reads answered at once (each in its own task); more: 429
 
     def __post_init__(self) -> None:
         assert self.max_in_flight >= 1 and self.line_timeout_s > 0 and 0 < self.retry_s <= self.retry_max_s
@@ -42,4 +43,5 @@ class BatchConfig(BusConfig):
         assert self.max_jobs_per_team >= 1 and self.max_input_bytes_per_team >= 1
         assert self.submit_retry_s > 0 and self.submit_max_deliveries >= 1
         assert 0 < self.submit_restart_s <= self.submit_restart_max_s
-        assert self.max_follows_per_team >= 1 and self.follow_wait_max_s > 0 and self.results_page_max >= 1
+        assert self.max_follows_per_team >= 1 and self.max_reads_per_team >= 1
+        assert self.follow_wait_max_s > 0 and self.results_page_max >= 1

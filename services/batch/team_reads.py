@@ -11,8 +11,9 @@ The team is the subject's, never the body's: a team user may publish its own tea
 revision is a digest of it: a job's record only moves forward (store.py), so another digest is a later record.
 A follow waits on the service's own saves (``changed``), never by polling; a team has at most
 ``max_follows_per_team`` waiting at once (one more: 429 with ``retry_after_s``), each at most
-``follow_wait_max_s``. Status and results are answered in turn by the one subscription; a results page is at most
-``results_page_max`` message gets and one message's bytes.
+``follow_wait_max_s``. Status and results are answered each in its own task, at most ``max_reads_per_team`` of a
+team's at once (one more: 429), so a team flooding its reads waits on its own share and never delays another's;
+a results page is at most ``results_page_max`` message gets and one message's bytes.
 
 Invariants: a follow registers its watch before it reads the record, so a save between the two wakes it; when the
 service stops leading, every waiting follow is answered at once with the record as it is.
@@ -126,8 +127,9 @@ class TeamReads:
         self.bus, self.engine, self.config = bus, engine, config
         self.watches = JobWatches()
         self.slots = TeamSlots(config.max_follows_per_team)
+        self.read_slots = TeamSlots(config.max_reads_per_team)
         self._sub = None
-        self._follows: set[asyncio.Task[None]] = set()
+        self._follows: set[asyncio.Task[None]] = set()  # follows and reads being answered
         self._stopping = False
 
     async def start(self) -> None:
@@ -150,18 +152,17 @@ class TeamReads:
         team, read = team_and_read(raw.subject)
         if read not in BATCH_TEAM_READS:
             return
-        if read == "follow":
-            if not self.slots.take(team):
-                await self.bus.respond(raw, BatchTeamReply(
-                    error_status=429, retry_after_s=FOLLOWS_RETRY_S,
-                    error_message=f"Team {team} follows {self.slots.limit} batches at once already."))
-                return
-            task = asyncio.create_task(self._answer(raw, self._follow(team, request)), name="batch-follow")
-            self._follows.add(task)
-            task.add_done_callback(lambda done: (self._follows.discard(done), self.slots.give_back(team)))
+        slots, what = (self.slots, "follows") if read == "follow" else (self.read_slots, "reads")
+        if not slots.take(team):
+            await self.bus.respond(raw, BatchTeamReply(
+                error_status=429, retry_after_s=FOLLOWS_RETRY_S,
+                error_message=f"Team {team} has {slots.limit} batch {what} in progress already."))
             return
-        reads = {"status": lambda: self._status(team, request.job_id), "results": lambda: self._results(team, request)}
-        await self._answer(raw, reads[read]())
+        reads = {"follow": lambda: self._follow(team, request), "status": lambda: self._status(team, request.job_id),
+                 "results": lambda: self._results(team, request)}
+        task = asyncio.create_task(self._answer(raw, reads[read]()), name=f"batch-{read}")
+        self._follows.add(task)
+        task.add_done_callback(lambda done: (self._follows.discard(done), slots.give_back(team)))
 
     async def _answer(self, raw: Msg, reading) -> None:  # noqa: ANN001 (a coroutine of a BatchTeamReply)
         try:

@@ -155,3 +155,46 @@ async def test_results_come_a_capped_page_at_a_time_each_line_once(nats_url, nam
         await reads.stop()
         await client.close()
         await service.close()
+
+
+async def test_a_team_flooding_its_reads_waits_on_its_own_share_and_never_delays_another_teams(
+        nats_url, namespace, monkeypatch):
+    """Status reads are answered each in its own task, at most ``max_reads_per_team`` of a team's at once: a team
+    whose reads are slow (here: held) gets 429 past its share, and another team's read is answered meanwhile.
+    Before, the one subscription answered reads in turn: the other team's waited behind the held ones."""
+    import asyncio
+
+    from services.batch import team_reads
+    from services.batch.config import BatchConfig
+    from services.batch.team_reads import TeamReads
+
+    held = asyncio.Event()
+
+    async def get_job(_engine, team, _job_id):  # noqa: ANN001 (the ledger read: held for the flooding team)
+        if team == "flood":
+            await held.wait()
+        return None
+
+    monkeypatch.setattr(team_reads.store, "get_job", get_job)
+    service = await Bus.connect(nats_url, namespace, "batch-test")
+    reads = TeamReads(service, None, BatchConfig(max_reads_per_team=2))  # type: ignore[arg-type]
+    asker = await Bus.connect(nats_url, namespace, "teams-test")
+    s = service.subjects
+    try:
+        await reads.start()
+        flood = [asyncio.ensure_future(asker.request(s.batch_team("flood", "status"), BatchTeamRequest(job_id="b1"),
+                                                     BatchTeamReply, timeout=10)) for _ in range(2)]
+        await asyncio.sleep(0)
+        over = await asker.request(s.batch_team("flood", "status"), BatchTeamRequest(job_id="b1"), BatchTeamReply,
+                                   timeout=5)
+        assert over.error_status == 429 and over.retry_after_s > 0
+        quiet = await asker.request(s.batch_team("quiet", "status"), BatchTeamRequest(job_id="b1"), BatchTeamReply,
+                                    timeout=2)
+        assert quiet.error_status == 0 and quiet.job is None
+        held.set()
+        assert [reply.error_status for reply in await asyncio.gather(*flood)] == [0, 0]
+    finally:
+        held.set()
+        await reads.stop()
+        await asker.close()
+        await service.close()
