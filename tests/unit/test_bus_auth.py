@@ -181,8 +181,12 @@ def test_a_team_user_reaches_its_own_batch_jobs_only(account, check, subject, al
 
 
 def test_credentials_travel_in_env_vars_that_the_service_configs_read():
-    credentials = NatsCredentials("edge", "s3cret", tls_ca="/ca.pem")
+    credentials = NatsCredentials("edge", "s3cret", tls_ca="/ca.pem", store_user="edge@store",
+                                  ledger_user="edge@ledger")
     env = credentials.env()
+    assert (credentials.store().user, credentials.ledger().user) == ("edge@store", "edge@ledger")
+    assert credentials.ledger().password == "s3cret"
+    assert NatsCredentials("worker", "pw", store_user="worker@store").ledger().user == "worker@store"  # no LEDGER user
     assert NatsCredentials.from_env(env) == credentials
     assert load_config(BusConfig, [], env).credentials() == credentials
     assert "s3cret" not in repr(credentials) and "s3cret" not in repr(load_config(BusConfig, [], env))
