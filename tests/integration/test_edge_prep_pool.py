@@ -120,7 +120,11 @@ async def test_a_job_past_its_deadline_fails_and_its_process_is_replaced(make_po
     await eventually(lambda: pool.queue.running("a") == 1, 30)
     queued = asyncio.ensure_future(pool.run(heavy_job(str(tiny_model), "a", 10), None))
     results = await asyncio.gather(running, queued, return_exceptions=True)
-    assert [(e.status, e.code) for e in results] == [(504, "prep_timeout"), (503, "prep_busy")]
+    assert (results[0].status, results[0].code) == (504, "prep_timeout")
+    # the queued job's deadline is the running one's and a moment: past it still queued (503 prep_busy), or
+    # handed to the replacement process in that moment and killed there at it (504) on a loaded machine; which
+    # one is the queue's to say, on a fake clock (tests/unit/test_prep_queue.py)
+    assert (results[1].status, results[1].code) in ((503, "prep_busy"), (504, "prep_timeout"))
     await eventually(lambda: pool.pids() and pool.pids() != [pid], 30)
 
 
