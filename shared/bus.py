@@ -157,6 +157,22 @@ class Bus:
             log.warning("not answering %s on %r: a reply goes to an inbox only", raw.subject, raw.reply)
 
 
+class _Client(NatsClient):
+    """nats-py's client, but a PONG answering a PING whose flush already timed out is taken in its turn and
+    dropped: nats-py sets the result of that cancelled future, the InvalidStateError ends its read loop without
+    a reconnect, and the connection goes on sending while it reads nothing (no message, no reply, no PONG). A
+    nats-server paused for longer than a flush's timeout (SIGSTOP, a VM frozen) did that to admission: its
+    requests unanswered until the ping timer, minutes later (the fault matrix's ``jetstream-away``)."""
+
+    async def _process_pong(self) -> None:
+        if self._pongs:
+            future = self._pongs.pop(0)  # one PONG per PING, in order: this one was this future's
+            if not future.done():
+                future.set_result(True)
+        self._pongs_received += 1
+        self._pings_outstanding = 0
+
+
 async def _open(url: str, name: str, credentials: NatsCredentials, refusals: deque[str],
                 listeners: list[Callable[[], None]]) -> NatsClient:
     """One connection as ``credentials`` (see ``Bus.connect``); its refusals and reconnects go to the lists given."""
@@ -176,7 +192,7 @@ async def _open(url: str, name: str, credentials: NatsCredentials, refusals: deq
         for listener in list(listeners):
             listener()
 
-    nc = NatsClient()
+    nc = _Client()
     servers = [u.strip() for u in url.split(",") if u.strip()]  # a cluster's seeds: "nats://a:4222,nats://b:4222"
     connecting = asyncio.ensure_future(nc.connect(
         servers if len(servers) > 1 else url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
