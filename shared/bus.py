@@ -285,6 +285,7 @@ class TokenStream:
         self._idle_timeout_s = idle_timeout_s
         self._timeout_s = first_timeout_s
         self.deadline = time.monotonic() + first_timeout_s
+        self.heard_at = time.monotonic()  # its last message (or its opening): how long it has been silent
         self.done = False
         self._why = ""  # what shortened the deadline, if anything
 
@@ -298,7 +299,8 @@ class TokenStream:
             )
         self._expected_seq = message.seq + 1
         self._timeout_s, self._why = self._idle_timeout_s, ""
-        self.deadline = time.monotonic() + self._idle_timeout_s
+        self.heard_at = time.monotonic()
+        self.deadline = self.heard_at + self._idle_timeout_s
         self._queue.put_nowait(message)
 
     def fail(self, code: str, message: str) -> None:
@@ -388,6 +390,10 @@ class StreamReceiver:
     def num_open(self, worker_id: str) -> int:
         """Streams served by ``worker_id`` still waiting for their end."""
         return sum(1 for s in self._streams.values() if s.worker_id == worker_id and not s.done)
+
+    def silent_workers(self, now: float, silence_s: float) -> set[str]:
+        """The workers of open streams that have heard nothing for more than ``silence_s``."""
+        return {s.worker_id for s in self._streams.values() if not s.done and now - s.heard_at > silence_s}
 
     def fail_worker(self, worker_id: str, code: str, message: str) -> int:
         """Fail every open stream served by ``worker_id``; returns how many."""

@@ -33,6 +33,9 @@ class EdgeConfig(BusConfig):
     max_migrations: int = 3  # moves of a stream to another worker after its worker failed mid-stream (0: none)
     # a worker that left the registry with streams open is pinged first: no answer in this long -> they fail
     liveness_probe_timeout_s: float = 2.0
+    # a worker whose streams heard nothing this long is pinged: no pong fails them (a frozen bus or worker) long
+    # before the inter-token deadline; a long prefill's worker answers, and its streams wait on
+    silence_probe_s: float = 5.0
     # the edges bucket (shared/edges.py): workers abort the requests of an edge whose key lapsed and that does
     # not answer a ping; another edge bills them from the workers' reports, signed with the edges' shared secret
     edge_heartbeat_s: float = 1.0
@@ -143,5 +146,6 @@ class EdgeConfig(BusConfig):
         assert self.prep_team_processes >= 0 and self.prep_team_queue > 0 and self.prep_queue > 0
         assert self.prep_queue_bytes >= self.max_body_bytes, "prep_queue_bytes must hold one body of max_body_bytes"
         assert self.prep_deadline_s > 0 and self.prep_rate_s > 0 and self.prep_burst_s > 0
+        assert self.silence_probe_s > 0
         assert self.route_timeout_s > 0 and self.first_token_timeout_s > 0 and self.inter_token_timeout_s > 0
         assert 0 < self.edge_heartbeat_s < self.edge_ttl_s, "edge_ttl_s must exceed edge_heartbeat_s"

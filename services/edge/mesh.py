@@ -154,9 +154,12 @@ class EdgeMesh:
             log.warning("no edge secret (INFERMESH_EDGE_SECRET): requests of this edge go unbilled if it dies")
         for link in self.links:
             await link.start_liveness(self.edge_id, self.config, lambda: self.usage.pending)
+        self._spawn(self._probe_silent_workers())
 
     async def stop(self) -> None:
         """The edges keys go last: workers abort what this edge still had running once it is gone."""
+        for task in list(self._background):
+            task.cancel()
         await self.keys.stop()
         for link in reversed(self.links):
             await link.stop()
@@ -231,6 +234,29 @@ class EdgeMesh:
         failed = link.receiver.fail_worker(worker_id, "worker_unavailable", f"worker {worker_id} left the mesh")
         if failed:
             log.warning("worker %s vanished with %d streams open", worker_id, failed)
+
+    async def _probe_silent_workers(self) -> None:
+        """Ask each worker whose streams went silent (``silence_probe_s``) whether it lives, one probe at a time
+        per worker: a frozen bus or a stopped worker fails them in seconds, not at the inter-token deadline."""
+        probing: set[tuple[str, str]] = set()
+        while True:
+            await asyncio.sleep(self.config.silence_probe_s / 2)
+            now = time.monotonic()
+            for link in self.links:
+                for worker_id in link.receiver.silent_workers(now, self.config.silence_probe_s):
+                    key = (link.deployment.name, worker_id)
+                    if key not in probing:
+                        probing.add(key)
+                        task = asyncio.get_running_loop().create_task(self._probe_silent(link, worker_id))
+                        task.add_done_callback(lambda _done, key=key: probing.discard(key))
+
+    async def _probe_silent(self, link: Link, worker_id: str) -> None:
+        if await ping(link.bus, worker_id, self.config.liveness_probe_timeout_s) is not None:
+            return  # alive (a long prefill, a slow step): its streams wait on their deadlines
+        failed = link.receiver.fail_worker(worker_id, "worker_unavailable",
+                                           f"worker {worker_id} went silent and did not answer a probe")
+        if failed:
+            log.warning("worker %s went silent and did not answer a probe: %d streams failed", worker_id, failed)
 
     def _spawn(self, coro: object) -> None:
         task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]

@@ -265,3 +265,32 @@ async def test_a_model_whose_workers_are_away_is_unavailable_not_unknown(nats_ur
             await client.chat.completions.create(model="never-served", messages=MESSAGES, max_tokens=2)
     finally:
         await mesh.stop()
+
+
+async def test_a_silent_worker_that_does_not_answer_a_probe_fails_its_stream_before_its_registry_ttl(
+        nats_url, namespace, tiny_model):
+    """A worker frozen while its registry key still lives (a long TTL; or the bus itself frozen, where no key
+    lapses either): its stream goes silent, the edge pings it after ``silence_probe_s``, no pong fails the
+    stream. Before, it waited out the inter-token deadline (60 s)."""
+    mesh = LocalMesh(nats_url, namespace)
+    await mesh.start_router()
+    await mesh.start_edge()
+    procs = sim_worker_processes(nats_url, namespace, tiny_model, ("sim-frozen",), ttl_s=120, itl_ms=50)
+    try:
+        await eventually(lambda: len(mesh.edge.mesh.directory.live()) == 1 and mesh.edge.mesh.is_ready(), 30)
+        client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key=mesh.dev_key, max_retries=0)
+        stream = await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=400, stream=True,
+                                                      extra_headers={"X-Infermesh-Max-Migrations": "0"})
+        await stream.__anext__()
+        procs["sim-frozen"].send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        with pytest.raises(openai.APIError, match="became unavailable"):
+            async for _chunk in stream:
+                pass
+        config = mesh.edge.config
+        assert time.monotonic() - stopped_at < config.silence_probe_s * 1.5 + config.liveness_probe_timeout_s + 3
+        assert "sim-frozen" in mesh.edge.mesh.directory.workers  # its key never lapsed: the probe found it out
+    finally:
+        procs["sim-frozen"].send_signal(signal.SIGCONT)
+        stop_processes(procs)
+        await mesh.stop()
