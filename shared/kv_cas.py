@@ -62,9 +62,15 @@ async def traced_put(bus: Bus, bucket: str, key: str, data: bytes) -> int:
     return (await bus.js.publish(f"$KV.{bucket}.{key}", data, headers=traced())).seq
 
 
-async def traced_delete(bus: Bus, bucket: str, key: str) -> int:
-    """A delete marker, as nats-py's ``kv.delete`` writes it (``KV-Operation: DEL``), carrying the current trace."""
-    return (await bus.js.publish(f"$KV.{bucket}.{key}", b"", headers=traced({"KV-Operation": "DEL"}))).seq
+async def traced_delete(bus: Bus, bucket: str, key: str, marker_ttl_s: float | None = None) -> int:
+    """A delete marker, as nats-py's ``kv.delete`` writes it (``KV-Operation: DEL``), carrying the current trace.
+    ``marker_ttl_s``: the marker itself expires then (``Nats-TTL``), leaving nothing of the key: a bucket whose
+    keys are each used once (a lease) would otherwise keep one marker per key for good, up to its ``max_bytes``
+    (then every write is refused)."""
+    headers = traced({"KV-Operation": "DEL"}) or {}
+    if marker_ttl_s is not None:
+        headers["Nats-TTL"] = f"{max(1, math.ceil(marker_ttl_s))}s"
+    return (await bus.js.publish(f"$KV.{bucket}.{key}", b"", headers=headers)).seq
 
 
 async def cas_put(bus: Bus, bucket: str, key: str, data: bytes, revision: int, ttl_s: float | None = None,

@@ -29,12 +29,17 @@ from shared.schema import BudgetHold, LeaseRecord
 
 log = logging.getLogger("infermesh.admission")
 LEASE, HOLD = "l-", "h-"
+# a lease's or hold's delete marker expires then: each key is used once, so kept markers (one per request ever
+# admitted) filled the bucket to its max_bytes, and then every grant failed (503 "could not record the lease");
+# nothing watches this bucket (a new leader reads its live keys), so the marker need not outlive the delete long
+MARKER_TTL_S = 60.0
 
 
 class LeaseStore:
-    def __init__(self, bus: Bus, kv: KeyValue) -> None:
+    def __init__(self, bus: Bus, kv: KeyValue, marker_ttl_s: float = MARKER_TTL_S) -> None:
         self.bus, self.kv = bus, kv
         self._bucket = bus.subjects.leases_bucket  # written with the request's trace (shared/kv_cas.py)
+        self._marker_ttl_s = marker_ttl_s
 
     async def put_lease(self, record: LeaseRecord) -> None:
         await traced_put(self.bus, self._bucket, LEASE + record.lease_id, schema.encode(record))
@@ -83,6 +88,6 @@ class LeaseStore:
 
     async def _delete(self, key: str) -> None:
         try:
-            await traced_delete(self.bus, self._bucket, key)
+            await traced_delete(self.bus, self._bucket, key, self._marker_ttl_s)
         except Exception as exc:
             log.warning("could not delete %s: %s", key, exc)

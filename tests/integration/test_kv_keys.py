@@ -24,6 +24,7 @@ from shared.kv_cas import ensure_bucket
 from shared.kv_follower import KvFollower
 from shared.kv_keys import live_keys
 from shared.schema import ApiKeyRecord, LeaseRecord
+from tests.utils import eventually
 
 pytestmark = pytest.mark.integration
 LATE_S = 0.3
@@ -113,3 +114,23 @@ async def test_metering_whose_entries_are_late_still_knows_the_keys_it_published
     views = BusViews(await ensure_bucket(late, s.api_keys_bucket), await ensure_bucket(late, s.billing_bucket))
     await views.load_published()
     assert views.keys == {"hash-1": ApiKeyRecord("im-1", "t")}
+
+
+async def test_a_forgotten_lease_leaves_nothing_in_the_bucket_once_its_marker_expires(writer):
+    """Each lease key is used once: its delete marker kept for good (one per request ever admitted) filled the
+    bucket to its max_bytes, after which every grant failed (503 "admission could not record the lease")."""
+    kv = await ensure_bucket(writer, writer.subjects.leases_bucket)
+    store = LeaseStore(writer, kv, marker_ttl_s=1.0)
+    for i in range(5):
+        await store.put_lease(LeaseRecord(f"lease-{i}", "research", "interactive", "tiny", 64, "edge-1", 500_000))
+        await store.forget_lease(f"lease-{i}")
+
+    async def bucket_messages() -> int:
+        return (await writer.js.stream_info(f"KV_{writer.subjects.leases_bucket}")).state.messages
+
+    async def emptied() -> bool:
+        return await bucket_messages() == 0
+
+    assert await bucket_messages() == 5  # the markers, for a moment (watchers would see the deletes)
+    await eventually(emptied, 30)  # then nothing: expired, and the expiry's own markers (limit_marker_ttl) too
+    assert (await store.load()) == ([], [])
