@@ -182,6 +182,7 @@ async def test_a_team_flooding_its_reads_waits_on_its_own_share_and_never_delays
     s = service.subjects
     try:
         await reads.start()
+        await service.nc.flush()  # its subscription is on the server before anyone asks
         flood = [asyncio.ensure_future(asker.request(s.batch_team("flood", "status"), BatchTeamRequest(job_id="b1"),
                                                      BatchTeamReply, timeout=10)) for _ in range(2)]
         await asyncio.sleep(0)
