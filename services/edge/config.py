@@ -83,8 +83,8 @@ class EdgeConfig(BusConfig):
     prep_processes: int = field(default_factory=lambda: min(4, os.cpu_count() or 1))  # 0: all on the event loop
     inline_prep_bytes: int = 64 << 10  # bodies up to this size are prepared on the event loop (cheaper than a hop)
     prep_team_processes: int = 0  # prep processes one team may use at once (0: half of them, at least 1)
-    prep_team_queue: int = 8  # a team's requests waiting for a prep process; one more is 429
-    prep_queue: int = 64  # all teams' requests waiting; one more is 429
+    prep_team_queue: int = 64  # a team's requests waiting for a prep process (64 agents at once); one more is 429
+    prep_queue: int = 256  # all teams' requests waiting; one more is 429 (the fair order keeps a deep one apart)
     prep_queue_bytes: int = 128 << 20  # their bodies, in bytes (edge memory)
     prep_deadline_s: float = 30.0  # queued + running: still queued then is 503, still running 504 (process killed)
     prep_rate_s: float = 1.0  # prep seconds per second a team may use (a bucket: 429 when empty) ...
