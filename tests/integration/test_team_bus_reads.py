@@ -23,6 +23,7 @@ from shared import schema
 from shared.batch_schema import BatchTeamReply, BatchTeamRequest
 from shared.bus import Bus
 from tests.locked_nats import OBSERVER, LockedNats
+from tests.utils import eventually
 
 pytestmark = [pytest.mark.integration]
 REFUSED_S = 1.0  # a request the server refuses gets no answer
@@ -182,7 +183,15 @@ async def test_a_team_flooding_its_reads_waits_on_its_own_share_and_never_delays
     s = service.subjects
     try:
         await reads.start()
-        await service.nc.flush()  # its subscription is on the server before anyone asks
+        async def answered() -> bool:  # its subscription is on the server before the flood asks
+            try:
+                await asker.request(s.batch_team("warm", "status"), BatchTeamRequest(job_id="b1"), BatchTeamReply,
+                                    timeout=1)
+            except Exception:
+                return False
+            return True
+
+        await eventually(answered, 10)
         flood = [asyncio.ensure_future(asker.request(s.batch_team("flood", "status"), BatchTeamRequest(job_id="b1"),
                                                      BatchTeamReply, timeout=10)) for _ in range(2)]
         await asyncio.sleep(0)
